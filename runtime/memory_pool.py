@@ -1,0 +1,77 @@
+"""KV memory: the per-layer K/V pool, the slot allocator and the request-to-token table.
+
+A slot holds one token's K and V for every layer. Slot 0 is never handed out: padded
+attention reads point at it, so stale or padding indices always address valid memory.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class TokenSlotAllocator:
+    """Hands out and takes back KV slots in bulk (page size 1)."""
+
+    def __init__(self, num_slots: int):
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
+        self.clear()
+
+    def clear(self) -> None:
+        # Slot 0 is the padding slot; usable slots are 1..num_slots.
+        self._free = torch.arange(1, self.num_slots + 1, dtype=torch.int64)
+
+    def available(self) -> int:
+        return int(self._free.numel())
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """Return `n` free slots (int64), or None when fewer than `n` are free."""
+        if n > self._free.numel():
+            return None
+        out, self._free = self._free[:n], self._free[n:]
+        return out
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel():
+            self._free = torch.cat((self._free, slots.to(torch.int64)))
+
+
+class KVPool:
+    """Preallocated K and V buffers, one pair per layer: `[num_slots + 1, kv_heads, head_dim]`."""
+
+    def __init__(self, num_slots: int, num_layers: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (num_slots + 1, kv_heads, head_dim)
+        self.num_slots = num_slots
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)
+
+    @staticmethod
+    def bytes_per_slot(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+class ReqToTokenTable:
+    """`[max_running_requests, context_len]` slot indices: where request row r's token i lives."""
+
+    def __init__(self, max_requests: int, context_len: int, device: torch.device | str = "cpu"):
+        self.table = torch.zeros((max_requests, context_len), dtype=torch.int64, device=device)
+        self._free_rows = list(range(max_requests - 1, -1, -1))
+        self.max_requests = max_requests
+        self.context_len = context_len
+
+    def available(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def clear(self) -> None:
+        self._free_rows = list(range(self.max_requests - 1, -1, -1))

@@ -1,0 +1,22 @@
+"""Our model implementations, looked up by the `architectures` name in a HF config."""
+from __future__ import annotations
+
+from .llama import LlamaForCausalLM
+
+MODEL_REGISTRY = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def get_model_class(config) -> type:
+    """The model class for a HF config; a ValueError naming the supported ones otherwise."""
+    archs = getattr(config, "architectures", None) or []
+    for arch in archs:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    raise ValueError(
+        f"unsupported model architecture {archs or getattr(config, 'model_type', '?')}; "
+        f"supported: {', '.join(sorted(MODEL_REGISTRY))}")

@@ -1,0 +1,83 @@
+"""A request inside the scheduler, and the typed messages that enter and leave it."""
+from __future__ import annotations
+
+import msgspec
+
+from .sampling_params import SamplingParams
+
+
+class GenerateInput(msgspec.Struct, kw_only=True):
+    """A tokenized request, as the scheduler receives it."""
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    seed: int
+    return_logprob: bool = False
+    logprob_start_len: int = -1          # first prompt position with an input logprob; -1: none
+    top_logprobs_num: int = 0
+
+
+class TokenOutput(msgspec.Struct, kw_only=True):
+    """What one step produced for one request: new tokens (and logprobs), and whether it finished."""
+    rid: str
+    new_ids: list[int]
+    finish_reason: dict | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    # [logprob, token_id] pairs; input ones arrive once, when the prompt is done
+    input_logprobs: list | None = None
+    input_top_logprobs: list | None = None
+    output_logprobs: list | None = None
+    output_top_logprobs: list | None = None
+
+
+class Req:
+    """Scheduler-side state of one request.
+
+    KV bookkeeping: `fill_ids` = prompt + output. `kv_len` tokens of it have KV in the pool,
+    at `req_to_token[row, :kv_len]`; the first `cached_len` of those are owned by the prefix
+    cache (held by a lock on `last_node`), the rest by this request.
+    """
+
+    __slots__ = ("rid", "origin_ids", "output_ids", "params", "seed", "return_logprob",
+                 "logprob_start_len", "top_logprobs_num", "row", "kv_len", "cached_len",
+                 "last_node", "cached_tokens", "finish_reason", "prefilled", "input_logprobs",
+                 "input_top_logprobs", "stop_tail_tokens", "arrival")
+
+    def __init__(self, inp: GenerateInput, arrival: int):
+        self.rid = inp.rid
+        self.origin_ids = list(inp.input_ids)
+        self.output_ids: list[int] = []
+        self.params = inp.params
+        self.seed = inp.seed
+        self.return_logprob = inp.return_logprob
+        self.logprob_start_len = inp.logprob_start_len
+        self.top_logprobs_num = inp.top_logprobs_num
+        self.row: int | None = None
+        self.kv_len = 0
+        self.cached_len = 0
+        self.last_node = None
+        self.cached_tokens = -1                # reported once, at the first admission
+        self.finish_reason: dict | None = None
+        self.prefilled = False                 # prompt fully computed at least once
+        self.input_logprobs: list = []
+        self.input_top_logprobs: list = []
+        longest = max((len(s) for s in self.params.stop), default=0)
+        self.stop_tail_tokens = longest + 2    # a token is at least one character
+        self.arrival = arrival
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_ids + self.output_ids if self.output_ids else self.origin_ids
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0 and not self.prefilled
+
+    def max_cacheable_prefix(self) -> int:
+        """How many leading tokens may come from the cache: at least one token must be computed
+        (its logits are needed), and positions that need input logprobs need their logits."""
+        limit = len(self.fill_ids) - 1
+        if self.wants_input_logprobs:
+            limit = min(limit, max(self.logprob_start_len - 1, 0))
+        return limit

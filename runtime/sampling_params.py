@@ -1,0 +1,172 @@
+"""Per-request sampling parameters (SGLang protocol names and semantics).
+
+`temperature == 0` (or `top_k == 1`) means greedy; `top_k == -1` means no top-k cut.
+The grammar fields (`regex`, `json_schema`, `ebnf`) are only stored here; the grammar
+backend interprets them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any
+
+# Field kinds used by `validate` (and by `__post_init__` for normalisation).
+_INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n")
+_FLOAT_FIELDS = (
+    "temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+)
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
+_STR_LIST_FIELDS = ("stop", "stop_regex")
+_OPT_STR_FIELDS = ("regex", "json_schema", "ebnf")
+
+
+def _is_int(v: Any) -> bool:
+    # bool is an int subclass, but `max_new_tokens=True` is a caller bug, not 1.
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's continuation.
+
+    `stop` / `stop_regex` accept a single string (normalised to a one-element list);
+    `None` for any field means its default. Call `validate()` before using the params.
+    """
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop_regex: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    n: int = 1
+    seed: int | None = None
+    no_stop_trim: bool = False
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+
+    def __post_init__(self) -> None:
+        # None means "default" for every field (JSON clients send explicit nulls).
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) is None:
+                if f.default is not dataclasses.MISSING:
+                    setattr(self, f.name, f.default)
+                elif f.default_factory is not dataclasses.MISSING:
+                    setattr(self, f.name, f.default_factory())
+        for name in _STR_LIST_FIELDS:
+            v = getattr(self, name)
+            if isinstance(v, str):
+                setattr(self, name, [v])
+            elif isinstance(v, (list, tuple)):
+                setattr(self, name, list(v))  # copy: never alias the caller's list
+        if isinstance(self.stop_token_ids, (list, tuple, set, frozenset)):
+            self.stop_token_ids = list(self.stop_token_ids)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None, strict: bool) -> "SamplingParams":
+        """Build from a mapping of field name -> value (values are not validated here).
+
+        `None` values (and `d is None`) mean defaults. With `strict=True` (Python API) an
+        unknown key raises ValueError naming it; with `strict=False` (HTTP, SGLang protocol)
+        unknown keys are ignored.
+        """
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling params must be a dict, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(str(k) for k in d if k not in names)
+        if unknown and strict:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        return cls(**{k: v for k, v in d.items() if k in names and v is not None})
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError (naming the field) if any value has the wrong type or range.
+
+        `vocab_size`, when given, bounds `stop_token_ids` to `[0, vocab_size)`.
+        """
+        self._check_types()
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), "
+                f"got {self.min_new_tokens}")
+        t = float(self.temperature)
+        if math.isnan(t):
+            raise ValueError(f"temperature must be >= 0, got {t}")
+        if t < 0:
+            raise ValueError(f"temperature must be >= 0, got {t}")
+        if math.isinf(t):
+            # logits / inf turns masked (-inf) logits into NaN.
+            raise ValueError(f"temperature must be finite, got {t}")
+        # `not (lo <= x <= hi)` form so NaN is rejected too.
+        if not (0.0 < float(self.top_p) <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {float(self.top_p)}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not (0.0 <= float(self.min_p) <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {float(self.min_p)}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = float(getattr(self, name))
+            if not (-2.0 <= v <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+        rp = float(self.repetition_penalty)
+        if not (rp > 0.0) or math.isinf(rp):
+            raise ValueError(f"repetition_penalty must be > 0 and finite, got {rp}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        hi = "inf" if vocab_size is None else vocab_size
+        for t_id in self.stop_token_ids:
+            if t_id < 0 or (vocab_size is not None and t_id >= vocab_size):
+                raise ValueError(f"stop_token_ids must be in [0, {hi}), got {t_id}")
+
+    def _check_types(self) -> None:
+        for name in _INT_FIELDS:
+            v = getattr(self, name)
+            if not _is_int(v):
+                raise ValueError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+        for name in _FLOAT_FIELDS:
+            v = getattr(self, name)
+            if not _is_real(v):
+                raise ValueError(f"{name} must be a number, got {type(v).__name__} {v!r}")
+        for name in _BOOL_FIELDS:
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise ValueError(f"{name} must be a bool, got {type(v).__name__} {v!r}")
+        for name in _STR_LIST_FIELDS:
+            v = getattr(self, name)
+            if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+                raise ValueError(f"{name} must be a string or a list of strings, got {v!r}")
+        v = self.stop_token_ids
+        if not isinstance(v, list) or not all(_is_int(t) for t in v):
+            raise ValueError(f"stop_token_ids must be a list of ints, got {v!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {type(self.seed).__name__} {self.seed!r}")
+        for name in _OPT_STR_FIELDS:
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise ValueError(f"{name} must be a string or None, got {type(v).__name__}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding is argmax: temperature 0 or top_k 1."""
+        return self.temperature == 0 or self.top_k == 1

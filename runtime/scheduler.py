@@ -1,0 +1,413 @@
+"""The scheduler: continuous batching over a paged KV pool with a radix prefix cache.
+
+It knows nothing of HTTP or processes: `add_request`, `abort_request` and `step()` are the whole
+surface. Each step decodes every running request and, within a token budget, prefills waiting
+ones (chunking long prompts) in the same forward pass. When KV memory runs out it evicts cached
+prefixes, then retracts running requests back to the queue — their generated tokens kept.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+
+import torch
+
+from .forward_batch import ForwardBatch
+from .memory_pool import ReqToTokenTable, TokenSlotAllocator
+from .model_runner import ModelRunner
+from .radix_cache import NaiveCache, RadixCache
+from .request import GenerateInput, Req, TokenOutput
+from .sampler import Sampler, SamplingBatch
+from .server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# Fraction of each running request's remaining budget (capped) kept free before admitting more;
+# too little means admitted requests are soon retracted again, too much wastes memory.
+NEW_TOKEN_RATIO = 0.4
+RESERVE_CAP = 256
+# A waiting request sharing this many uncached tokens with one being prefilled now waits a step,
+# so it can take them from the cache instead of computing them twice.
+IN_BATCH_SHARE_MIN = 16
+LPM_MAX_QUEUE = 128
+
+
+class Scheduler:
+    """Owns the requests, the KV memory and the cache; runs one batch per `step()`."""
+
+    def __init__(self, args: ServerArgs, runner: ModelRunner | None = None):
+        self.args = args
+        self.runner = runner or ModelRunner(args)
+        self.tokenizer = self.runner.tokenizer
+        self.context_len = self.runner.context_len
+        self.num_slots = self.runner.pool.num_slots
+        self.allocator = TokenSlotAllocator(self.num_slots)
+        self.table = ReqToTokenTable(args.max_running_requests, self.context_len + 1)
+        self.cache = NaiveCache(self.allocator) if args.disable_radix_cache else RadixCache(self.allocator)
+        self.sampler = Sampler()
+        self.eos_ids = _eos_ids(self.runner.config, self.tokenizer)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []          # decoding
+        self.chunked: Req | None = None       # mid-prefill, continues next step
+        self._arrivals = 0
+        # counters (read by metrics and tests)
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_generated_tokens = 0
+        self.num_retractions = 0
+        self.num_steps = 0
+
+    # --- requests in and out ---------------------------------------------------------------
+    def add_request(self, inp: GenerateInput) -> None:
+        """Queue a tokenized request; ValueError for one that can never run."""
+        n = len(inp.input_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty (0 tokens)")
+        if n >= self.context_len:
+            raise ValueError(f"the prompt has {n} tokens, more than the context length allows "
+                             f"({self.context_len} including at least one generated token)")
+        if n + 1 > self.num_slots:
+            raise ValueError(f"the prompt has {n} tokens, more than the KV cache holds ({self.num_slots})")
+        vocab = self.runner.vocab_size
+        if min(inp.input_ids) < 0 or max(inp.input_ids) >= vocab:
+            raise ValueError(f"input_ids must be token ids in [0, {vocab})")
+        inp.params.validate(vocab)
+        self._arrivals += 1
+        self.waiting.append(Req(inp, self._arrivals))
+
+    def abort_request(self, rid: str) -> TokenOutput | None:
+        """Drop a request wherever it is and release its KV; None if it is unknown (or done)."""
+        for req in list(self.waiting):
+            if req.rid == rid:
+                self.waiting.remove(req)
+                return self._finish_output(req, {"type": "abort", "message": "aborted"}, [])
+        for req in self.running + ([self.chunked] if self.chunked else []):
+            if req.rid == rid:
+                if req is self.chunked:
+                    self.chunked = None
+                else:
+                    self.running.remove(req)
+                self._release(req)
+                return self._finish_output(req, {"type": "abort", "message": "aborted"}, [])
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache; only when no request holds KV."""
+        if self.running or self.chunked:
+            return False
+        self.cache.reset()
+        return True
+
+    def kv_slots_in_use(self) -> int:
+        """Slots neither free nor owned by the cache (held by requests); 0 when idle."""
+        return self.num_slots - self.allocator.available() - self.cache.total_size()
+
+    # --- one iteration ---------------------------------------------------------------------
+    def step(self) -> list[TokenOutput]:
+        """Schedule and run one batch; return what each touched request produced."""
+        outputs: list[TokenOutput] = []
+        decode = self._prepare_decode(outputs)
+        prefill = self._schedule_prefill(outputs)
+        if not decode and not prefill:
+            return outputs
+        self.num_steps += 1
+        batch, rows_of = self._build_batch(prefill, decode)
+        logits = self.runner.forward(batch)
+        outputs += self._process(prefill, decode, logits, rows_of)
+        return outputs
+
+    def _prepare_decode(self, outputs: list[TokenOutput]) -> list[Req]:
+        """Give every running request a slot for its next token, retracting requests if needed."""
+        while self.running and not self._make_room(len(self.running)):
+            if len(self.running) == 1 and not self.chunked and not self.waiting:
+                req = self.running.pop()
+                self._release(req)
+                outputs.append(self._finish_output(req, {"type": "abort", "message": "out of KV cache memory"}, []))
+                break
+            self._retract(max(self.running, key=lambda r: r.arrival))
+        if not self.running:
+            return []
+        slots = self.allocator.alloc(len(self.running))
+        for req, slot in zip(self.running, slots.tolist()):
+            self.table.table[req.row, req.kv_len] = slot
+        return list(self.running)
+
+    def _schedule_prefill(self, outputs: list[TokenOutput]) -> list[tuple[Req, int]]:
+        budget = self.args.chunked_prefill_size
+        selected: list[tuple[Req, int]] = []
+        if self.chunked is not None:
+            req = self.chunked
+            take = min(len(req.fill_ids) - req.kv_len, budget)
+            if not self._make_room(take):
+                return []            # memory frees up as decodes finish
+            self._place(req, req.kv_len, self.allocator.alloc(take))
+            selected.append((req, take))
+            if req.kv_len + take < len(req.fill_ids):
+                return selected      # still chunking: it takes the whole budget
+            self.chunked = None
+            budget -= take
+        if not self.waiting:
+            return selected
+        reserve = sum(self._future_need(r) for r in self.running)
+        for req in self._ordered_waiting():
+            if budget <= 0 or self.table.available() == 0 or \
+                    len(self.running) + len(selected) >= self.args.max_running_requests:
+                break
+            if len(req.fill_ids) + 1 > self.num_slots:
+                self.waiting.remove(req)
+                outputs.append(self._finish_output(req, {"type": "abort", "message": "out of KV cache memory"}, []))
+                continue
+            fill = req.fill_ids
+            prefix, node = self.cache.match_prefix(fill[:req.max_cacheable_prefix()])
+            p = len(prefix)
+            if any(_common_prefix_len(fill, s.fill_ids) - p >= IN_BATCH_SHARE_MIN for s, _ in selected):
+                continue
+            take = min(len(fill) - p, budget)
+            self.cache.inc_lock(node)
+            if not self._make_room(take + reserve):
+                self.cache.dec_lock(node)
+                break
+            self.waiting.remove(req)
+            req.row = self.table.alloc()
+            req.last_node, req.cached_len = node, p
+            self.table.table[req.row, :p] = prefix
+            self._place(req, p, self.allocator.alloc(take))
+            if req.cached_tokens < 0:
+                req.cached_tokens = p
+                self.num_prompt_tokens += len(req.origin_ids)
+                self.num_cached_tokens += p
+            selected.append((req, take))
+            budget -= take
+            reserve += self._future_need(req)
+            if p + take < len(fill):
+                self.chunked = req
+                break
+        return selected
+
+    def _place(self, req: Req, start: int, slots: torch.Tensor) -> None:
+        """Record slots for fill_ids[start:start+len(slots)] in the request's table row."""
+        req.kv_len = start
+        self.table.table[req.row, start:start + len(slots)] = slots
+
+    def _ordered_waiting(self) -> list[Req]:
+        reqs = list(self.waiting)
+        if self.args.schedule_policy == "lpm" and self.cache.enabled and len(reqs) <= LPM_MAX_QUEUE:
+            lens = {id(r): len(self.cache.match_prefix(r.fill_ids[:r.max_cacheable_prefix()])[0]) for r in reqs}
+            reqs.sort(key=lambda r: -lens[id(r)])   # stable: FCFS among equals
+        return reqs
+
+    def _future_need(self, req: Req) -> int:
+        left = req.params.max_new_tokens - len(req.output_ids)
+        return int(min(max(left, 0), RESERVE_CAP) * NEW_TOKEN_RATIO)
+
+    def _make_room(self, n: int) -> bool:
+        """True when `n` slots are free, evicting cached prefixes if that gets there."""
+        short = n - self.allocator.available()
+        if short > 0 and self.cache.evictable_size() >= short:
+            self.cache.evict(short)
+        return self.allocator.available() >= n
+
+    # --- the batch -------------------------------------------------------------------------
+    def _build_batch(self, prefill: list[tuple[Req, int]], decode: list[Req]):
+        input_ids, rows, prefix_lens, extend_lens, locs, logits_index = [], [], [], [], [], []
+        rows_of: dict[int, tuple[int, int]] = {}    # id(req) -> (first logits row, count)
+        table = self.table.table
+        pos = 0
+        for req, take in prefill:
+            start = req.kv_len
+            input_ids += req.fill_ids[start:start + take]
+            rows.append(req.row)
+            prefix_lens.append(start)
+            extend_lens.append(take)
+            locs.append(table[req.row, start:start + take])
+            if req.wants_input_logprobs:
+                rows_of[id(req)] = (len(logits_index), take)
+                logits_index += range(pos, pos + take)
+            elif start + take == len(req.fill_ids):
+                rows_of[id(req)] = (len(logits_index), 1)
+                logits_index.append(pos + take - 1)
+            pos += take
+        for req in decode:
+            input_ids.append(req.fill_ids[-1])
+            rows.append(req.row)
+            prefix_lens.append(req.kv_len)
+            extend_lens.append(1)
+            locs.append(table[req.row, req.kv_len:req.kv_len + 1])
+            rows_of[id(req)] = (len(logits_index), 1)
+            logits_index.append(pos)
+            pos += 1
+        batch = ForwardBatch.build(input_ids, rows, prefix_lens, extend_lens, torch.cat(locs), table,
+                                   logits_index, device=self.runner.device)
+        return batch, rows_of
+
+    def _process(self, prefill, decode, logits: torch.Tensor, rows_of) -> list[TokenOutput]:
+        outputs: list[TokenOutput] = []
+        to_sample: list[Req] = []
+        sample_rows: list[int] = []
+        input_lp: dict[int, TokenOutput] = {}
+        for req, take in prefill:
+            start = req.kv_len
+            req.kv_len += take
+            if req.wants_input_logprobs:
+                first, count = rows_of[id(req)]
+                self._collect_input_logprobs(req, start, logits[first:first + count])
+            if req.kv_len < len(req.fill_ids):
+                continue                                   # chunk done, prompt not yet
+            first_time = not req.prefilled
+            req.prefilled = True
+            if self.cache.enabled:
+                self._cache_prefix(req)
+            if req.params.max_new_tokens == 0:
+                self._release(req)
+                out = self._finish_output(req, {"type": "length", "length": 0}, [])
+                self._attach_input_logprobs(req, out)
+                outputs.append(out)
+                continue
+            if first_time and req.return_logprob and req.logprob_start_len >= 0:
+                input_lp[id(req)] = req            # attached to its first output below
+            first, count = rows_of[id(req)]
+            to_sample.append(req)
+            sample_rows.append(first + count - 1)
+        for req in decode:
+            req.kv_len += 1
+            to_sample.append(req)
+            sample_rows.append(rows_of[id(req)][0])
+        if not to_sample:
+            return outputs
+        rows = torch.tensor(sample_rows, dtype=torch.int64, device=logits.device)
+        row_logits = logits.index_select(0, rows)
+        sbatch = SamplingBatch.build(
+            [r.params for r in to_sample], [r.seed for r in to_sample],
+            [len(r.output_ids) for r in to_sample], [r.origin_ids for r in to_sample],
+            [r.output_ids for r in to_sample], sorted(self.eos_ids), self.runner.vocab_size,
+            device=logits.device)
+        next_ids = self.sampler(row_logits, sbatch).tolist()
+        lp_rows = [i for i, r in enumerate(to_sample) if r.return_logprob]
+        logprobs = torch.log_softmax(row_logits[lp_rows], dim=-1) if lp_rows else None
+        still_running = [r for r in self.running if r not in set(decode)]
+        for i, (req, tok) in enumerate(zip(to_sample, next_ids)):
+            req.output_ids.append(tok)
+            self.num_generated_tokens += 1
+            out = TokenOutput(rid=req.rid, new_ids=[tok], prompt_tokens=len(req.origin_ids),
+                              cached_tokens=max(req.cached_tokens, 0))
+            if req.return_logprob:
+                row = logprobs[lp_rows.index(i)]
+                out.output_logprobs = [[float(row[tok]), tok]]
+                if req.top_logprobs_num > 0:
+                    out.output_top_logprobs = [_top(row, req.top_logprobs_num)]
+            if id(req) in input_lp:
+                self._attach_input_logprobs(req, out)
+            reason = self._check_finish(req, tok)
+            if reason is not None:
+                out.finish_reason = reason
+                self._release(req)
+            else:
+                still_running.append(req)
+            outputs.append(out)
+        self.running = sorted(still_running, key=lambda r: r.arrival)
+        return outputs
+
+    # --- logprobs --------------------------------------------------------------------------
+    def _collect_input_logprobs(self, req: Req, start: int, logits: torch.Tensor) -> None:
+        """Logits row i (position start+i) scores prompt token start+i+1."""
+        ids = req.origin_ids
+        lo = max(req.logprob_start_len, 1)
+        idx = [i for i in range(logits.shape[0]) if lo <= start + i + 1 < len(ids)]
+        if not idx:
+            return
+        lp = torch.log_softmax(logits[idx], dim=-1)
+        targets = torch.tensor([ids[start + i + 1] for i in idx])
+        vals = lp.gather(1, targets[:, None])[:, 0].tolist()
+        req.input_logprobs += [[v, t] for v, t in zip(vals, targets.tolist())]
+        if req.top_logprobs_num > 0:
+            req.input_top_logprobs += [_top(row, req.top_logprobs_num) for row in lp]
+
+    def _attach_input_logprobs(self, req: Req, out: TokenOutput) -> None:
+        if not (req.return_logprob and req.logprob_start_len >= 0):
+            return
+        head = [[None, req.origin_ids[0]]] if req.logprob_start_len == 0 else []
+        out.input_logprobs = head + req.input_logprobs
+        if req.top_logprobs_num > 0:
+            out.input_top_logprobs = ([None] if head else []) + req.input_top_logprobs
+
+    # --- finishing and KV release -----------------------------------------------------------
+    def _check_finish(self, req: Req, tok: int) -> dict | None:
+        p = req.params
+        n = len(req.output_ids)
+        if n >= p.min_new_tokens:
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
+                return {"type": "stop", "matched": tok}
+            if p.stop:
+                tail = self.tokenizer.decode(req.output_ids[-req.stop_tail_tokens:],
+                                             skip_special_tokens=p.skip_special_tokens)
+                for s in p.stop:
+                    if s in tail:
+                        return {"type": "stop", "matched": s}
+        if n >= p.max_new_tokens:
+            return {"type": "length", "length": n}
+        if len(req.origin_ids) + n >= self.context_len:
+            return {"type": "length", "length": n}
+        return None
+
+    def _cache_prefix(self, req: Req) -> None:
+        """Insert the request's computed tokens into the cache and lock them, so requests that
+        share the prefix can use it while this one still runs."""
+        ids = req.fill_ids[:req.kv_len]
+        slots = self.table.table[req.row, :req.kv_len].clone()
+        present = self.cache.insert(ids, slots)
+        if present > req.cached_len:
+            self.allocator.free(slots[req.cached_len:present])
+        new_slots, node = self.cache.match_prefix(ids)
+        self.table.table[req.row, :len(new_slots)] = new_slots
+        self.cache.inc_lock(node)
+        self.cache.dec_lock(req.last_node)
+        req.last_node, req.cached_len = node, len(new_slots)
+
+    def _release(self, req: Req) -> None:
+        """Give the request's KV to the cache (or back to the allocator) and free its row."""
+        if req.row is None:
+            return
+        slots = self.table.table[req.row, :req.kv_len].clone()
+        present = self.cache.insert(req.fill_ids[:req.kv_len], slots)
+        if present > req.cached_len:
+            self.allocator.free(slots[req.cached_len:present])
+        self.cache.dec_lock(req.last_node)
+        self.table.free(req.row)
+        req.row, req.last_node, req.kv_len, req.cached_len = None, None, 0, 0
+
+    def _retract(self, req: Req) -> None:
+        """Send a running request back to the queue; its tokens are kept and recomputed later
+        (from the cache, when its prefix survives)."""
+        self.running.remove(req)
+        self._release(req)
+        self.waiting.appendleft(req)
+        self.num_retractions += 1
+        logger.info("retracted request %s (%d tokens) to free KV memory", req.rid, len(req.fill_ids))
+
+    def _finish_output(self, req: Req, reason: dict, new_ids: list[int]) -> TokenOutput:
+        req.finish_reason = reason
+        return TokenOutput(rid=req.rid, new_ids=new_ids, finish_reason=reason,
+                           prompt_tokens=len(req.origin_ids), cached_tokens=max(req.cached_tokens, 0))
+
+
+def _top(row: torch.Tensor, k: int) -> list[list]:
+    vals, ids = torch.topk(row, k)
+    return [[v, i] for v, i in zip(vals.tolist(), ids.tolist())]
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    return len(os.path.commonprefix([a, b]))
+
+
+def _eos_ids(config, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(x) for x in src)
+    return ids

@@ -1,0 +1,71 @@
+"""Shared fixtures: the real default model (converted once and cached) and tiny random-weight
+models of each supported architecture, saved to disk and loaded by the real loader, with the
+real SmolLM2 tokenizer."""
+from __future__ import annotations
+
+import os
+import shutil
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from plait.runtime.model_loader import resolve_model
+    return resolve_model("smollm2")
+
+
+def _tiny_config(arch: str, vocab_size: int):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, initializer_range=0.2, bos_token_id=1, eos_token_id=2)
+    if arch == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=True, rope_theta=10000.0)
+    if arch == "llama3-rope":
+        return LlamaConfig(**common, tie_word_embeddings=False, rope_theta=500000.0,
+                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    if arch == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=False, rope_theta=1000000.0)
+    if arch == "qwen3":
+        return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, rope_theta=1000000.0)
+    raise ValueError(arch)
+
+
+TINY_ARCHS = ("llama", "llama3-rope", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory, smollm2_path) -> dict[str, str]:
+    """arch -> folder with a tiny random model (safetensors) and the SmolLM2 tokenizer."""
+    from transformers import AutoModelForCausalLM
+    out = {}
+    for arch in TINY_ARCHS:
+        folder = tmp_path_factory.mktemp(f"tiny-{arch}")
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(_tiny_config(arch, 49152))
+        if getattr(model.config, "attention_bias", False) or arch == "qwen2":
+            with torch.no_grad():   # random, non-zero biases so that their mapping is tested
+                for name, p in model.named_parameters():
+                    if name.endswith("bias"):
+                        p.normal_(0, 0.2)
+        model.save_pretrained(folder, safe_serialization=True)
+        for name in TOKENIZER_FILES:
+            src = os.path.join(smollm2_path, name)
+            if os.path.exists(src):
+                shutil.copy(src, folder / name)
+        out[arch] = str(folder)
+    return out
+
+
+def assert_no_leak(engine) -> None:
+    """Every KV slot is free or owned by the prefix cache once the engine is idle."""
+    assert engine.kv_slots_in_use() == 0
