@@ -57,8 +57,7 @@ class RequestState:
         for key in ("input_logprobs", "input_top_logprobs", "output_logprobs", "output_top_logprobs"):
             val = getattr(out, key)
             if val is not None:
-                self.meta_logprobs.setdefault(f"{key.split('_')[0]}_token_{'_'.join(key.split('_')[1:])}"
-                                              if False else _meta_key(key), []).extend(val)
+                self.meta_logprobs.setdefault(_meta_key(key), []).extend(val)
         self.finish_reason = reason
 
     def text(self, streaming: bool = False) -> str:
@@ -124,10 +123,11 @@ class Engine:
                  rid: str | list[str] | None = None) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (a result dict), a list (a list of results, n per item), or stream
         one prompt (an iterator of cumulative results)."""
-        batch, states = self._submit(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                     top_logprobs_num, return_text_in_logprobs, rid, stream)
+        batch, states, inputs = self._submit(prompt, sampling_params, input_ids, return_logprob,
+                                             logprob_start_len, top_logprobs_num, return_text_in_logprobs,
+                                             rid, stream, strict=True)
         channel: queue.SimpleQueue = queue.SimpleQueue()
-        self._register(states, channel.put)
+        self._register(inputs, channel.put)
         if stream:
             return self._stream_sync(states[0], channel)
         pending = len(states)
@@ -145,13 +145,16 @@ class Engine:
                              input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                              logprob_start_len: int = -1, top_logprobs_num: int = 0,
                              return_text_in_logprobs: bool = False, stream: bool = False,
-                             rid: str | list[str] | None = None) -> dict | list[dict] | AsyncIterator[dict]:
-        """Like `generate`, awaited; with `stream=True` returns an async iterator."""
-        batch, states = self._submit(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                     top_logprobs_num, return_text_in_logprobs, rid, stream)
+                             rid: str | list[str] | None = None,
+                             strict: bool = True) -> dict | list[dict] | AsyncIterator[dict]:
+        """Like `generate`, awaited; with `stream=True` returns an async iterator. `strict=False`
+        ignores unknown sampling keys (the HTTP protocol's rule) instead of raising."""
+        batch, states, inputs = self._submit(prompt, sampling_params, input_ids, return_logprob,
+                                             logprob_start_len, top_logprobs_num, return_text_in_logprobs,
+                                             rid, stream, strict=strict)
         loop = asyncio.get_running_loop()
         channel: asyncio.Queue = asyncio.Queue()
-        self._register(states, lambda out: loop.call_soon_threadsafe(channel.put_nowait, out))
+        self._register(inputs, lambda out: loop.call_soon_threadsafe(channel.put_nowait, out))
         if stream:
             return self._stream_async(states[0], channel)
         pending = len(states)
@@ -209,7 +212,7 @@ class Engine:
 
     # --- internals -------------------------------------------------------------------------
     def _submit(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                top_logprobs_num, return_text_in_logprobs, rid, stream):
+                top_logprobs_num, return_text_in_logprobs, rid, stream, strict):
         if self._stopped.is_set():
             raise RuntimeError("the engine has been shut down")
         if (prompt is None) == (input_ids is None):
@@ -238,7 +241,7 @@ class Engine:
         rids = rid if isinstance(rid, list) else [rid] * len(ids_list)
         states, inputs = [], []
         for ids, raw, item_rid in zip(ids_list, param_list, rids):
-            params = SamplingParams.from_dict(raw, strict=True)
+            params = SamplingParams.from_dict(raw, strict=strict)
             params.validate(self.scheduler.runner.vocab_size)
             start = logprob_start_len
             if return_logprob and start == -1 and params.max_new_tokens == 0:
@@ -255,8 +258,7 @@ class Engine:
             raise ValueError("stream=True takes one prompt with n=1")
         for inp in inputs:
             self._validate_size(inp)
-        self._pending_inputs = inputs
-        return batch, states
+        return batch, states, inputs
 
     def _validate_size(self, inp: GenerateInput) -> None:
         n = len(inp.input_ids)
@@ -268,8 +270,7 @@ class Engine:
         if n + 1 > s.num_slots:
             raise ValueError(f"the prompt has {n} tokens, more than the KV cache holds ({s.num_slots})")
 
-    def _register(self, states: list[RequestState], sink: Callable[[TokenOutput], None]) -> None:
-        inputs, self._pending_inputs = self._pending_inputs, []
+    def _register(self, inputs: list[GenerateInput], sink: Callable[[TokenOutput], None]) -> None:
         for inp in inputs:
             self._inbox.put(("add", inp, sink))
 
@@ -332,9 +333,8 @@ class Engine:
     def _loop(self) -> None:
         sched = self.scheduler
         while not self._stopped.is_set():
-            try:
-                msg = self._inbox.get(timeout=None if not sched.has_work() else 0) \
-                    if sched.has_work() is False else self._inbox.get_nowait()
+            try:   # block only when there is nothing to step
+                msg = self._inbox.get_nowait() if sched.has_work() else self._inbox.get()
             except queue.Empty:
                 msg = None
             while msg is not None:
