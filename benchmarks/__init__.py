@@ -1,0 +1,1 @@
+"""Benchmarks: workloads that print numbers (also reachable as `plait bench ...`)."""

@@ -1,0 +1,124 @@
+"""Offline throughput: N chat requests at concurrency C through plait.Engine, side by side with
+HF transformers `generate` on the same model, dtype and thread count — one request at a time and
+statically batched. Prints a table with ratios; `--json` saves it.
+
+    plait bench offline --num-requests 32 --concurrency 32 --output-len 128
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+TOPICS = ["a robot", "the sea", "a lighthouse", "a dragon", "the moon", "a garden", "a train", "a city",
+          "a violin", "a storm", "a library", "a mountain", "a clock", "a river", "a forest", "a desert"]
+
+
+def make_prompts(tokenizer, n: int) -> list[str]:
+    """Chat prompts of slightly different lengths, rendered with the model's template."""
+    out = []
+    for i in range(n):
+        msg = f"Write a short story about {TOPICS[i % len(TOPICS)]}" + " and its friend" * (i % 4) + f" (story {i})."
+        out.append(tokenizer.apply_chat_template([{"role": "user", "content": msg}], tokenize=False,
+                                                 add_generation_prompt=True))
+    return out
+
+
+def bench_plait(args, prompts: list[str]) -> dict:
+    import plait
+    with plait.Engine(model=args.model, dtype=args.dtype, num_threads=args.threads,
+                      max_running_requests=args.concurrency, max_total_tokens=args.max_total_tokens) as eng:
+        params = {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True}
+        eng.generate(prompts[0], {"max_new_tokens": 2})                 # warm-up
+        eng.flush_cache()
+        t = time.perf_counter()
+        one = eng.generate(prompts[0], params)
+        single = len(one["output_ids"]) / (time.perf_counter() - t)
+        eng.flush_cache()
+        t = time.perf_counter()
+        outs = eng.generate(prompts, params)
+        dt = time.perf_counter() - t
+        tokens = sum(len(o["output_ids"]) for o in outs)
+        return {"single_tok_s": single, "batch_tok_s": tokens / dt, "batch_seconds": dt, "tokens": tokens}
+
+
+def bench_hf(args, prompts: list[str]) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from plait.runtime.model_loader import resolve_model
+    torch.set_num_threads(args.threads)
+    path = resolve_model(args.model)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype if args.dtype != "auto" else "float32"]
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    gen = dict(do_sample=False, max_new_tokens=args.output_len, min_new_tokens=args.output_len,
+               pad_token_id=tok.pad_token_id)
+    res = {}
+    with torch.inference_mode():
+        model.generate(**tok(prompts[:1], return_tensors="pt"), max_new_tokens=2, pad_token_id=tok.pad_token_id)
+        k = min(args.hf_sequential, len(prompts))
+        t = time.perf_counter()
+        for p in prompts[:k]:
+            model.generate(**tok([p], return_tensors="pt"), **gen)
+        res["sequential_tok_s"] = k * args.output_len / (time.perf_counter() - t)
+        res["sequential_measured"] = k
+        t = time.perf_counter()
+        for i in range(0, len(prompts), args.concurrency):
+            model.generate(**tok(prompts[i:i + args.concurrency], return_tensors="pt", padding=True), **gen)
+        res["static_tok_s"] = len(prompts) * args.output_len / (time.perf_counter() - t)
+    return res
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="plait bench offline", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--max-total-tokens", type=int, default=32768)
+    ap.add_argument("--hf-sequential", type=int, default=4,
+                    help="requests HF runs one at a time (its tok/s is measured on these)")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+
+    from plait.runtime.model_loader import load_tokenizer, resolve_model
+    prompts = make_prompts(load_tokenizer(resolve_model(args.model)), args.num_requests)
+    result = {"config": vars(args), "load_avg": os.getloadavg(), "plait": bench_plait(args, prompts)}
+    if not args.skip_hf:
+        result["hf"] = bench_hf(args, prompts)
+    print_table(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def print_table(r: dict) -> None:
+    c, p = r["config"], r["plait"]
+    print(f"\nmodel {c['model']}  dtype {c['dtype']}  threads {c['threads']}  "
+          f"{c['num_requests']} requests x {c['output_len']} tokens at concurrency {c['concurrency']}  "
+          f"(load avg {r['load_avg'][0]:.2f})")
+    print(f"{'':38}{'tok/s':>10}{'plait ratio':>14}")
+    print(f"{'plait, concurrent':38}{p['batch_tok_s']:10.1f}")
+    print(f"{'plait, single request':38}{p['single_tok_s']:10.1f}")
+    if "hf" in r:
+        h = r["hf"]
+        print(f"{'HF generate, one at a time (' + str(h['sequential_measured']) + ' reqs)':38}"
+              f"{h['sequential_tok_s']:10.1f}{p['batch_tok_s'] / h['sequential_tok_s']:13.2f}x")
+        print(f"{'HF generate, static batches':38}{h['static_tok_s']:10.1f}{p['batch_tok_s'] / h['static_tok_s']:13.2f}x")
+        print(f"{'single request: plait / HF':38}{'':10}{p['single_tok_s'] / h['sequential_tok_s']:13.2f}x")
+
+
+if __name__ == "__main__":
+    main()
