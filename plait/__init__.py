@@ -1,6 +1,6 @@
 """plait: a structured-generation program runtime.
 
-`import plait as pl`; `pl.Engine(model="smollm2")` runs the engine in this process.
+`import plait as pl`; `pl.Engine(model="smollm2")` starts the engine (its model runs in a scheduler process).
 """
 from __future__ import annotations
 

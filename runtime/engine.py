@@ -1,24 +1,32 @@
-"""`plait.Engine`: the runtime in process — tokenize, schedule, detokenize — without HTTP.
+"""`plait.Engine`: the runtime as a Python object — tokenize, schedule, detokenize — without HTTP.
 
-The scheduler runs on its own thread; callers submit requests and receive result objects shaped
-as in the native protocol (`shared/protocol.md`), whole, streamed, or awaited.
+The scheduler (the model worker) runs in its own process, reached over ZeroMQ (see
+`scheduler_client.py`); tokenization and detokenization stay in the caller's process. Callers
+submit requests and receive result objects shaped as in the native protocol
+(`shared/protocol.md`), whole, streamed, or awaited.
+
+Not yet split out: the architecture page's separate detokenizer process. Detokenization (and
+stop-string trimming) runs here, in the consumer of each request's results.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing as mp
 import os
 import queue
 import random
-import threading
+import sys
 import time
 import uuid
+import weakref
 from typing import Any, AsyncIterator, Callable, Iterator
 
 from .detokenizer import IncrementalDetokenizer, stop_holdback, trim_stop
+from .model_loader import load_config, load_tokenizer, resolve_model
 from .request import GenerateInput, TokenOutput
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler_client import SchedulerClient
 from .server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -96,24 +104,43 @@ def _meta_key(key: str) -> str:
 
 
 class Engine:
-    """The inference engine in this process.
+    """The inference engine: a handle in this process on a scheduler process that runs the model.
+
+    Shut it down (or use it as a context manager) to stop that process; it is also stopped when
+    the engine is garbage-collected, at interpreter exit, and when this process dies.
 
     >>> with plait.Engine(model="smollm2") as engine:
     ...     engine.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})
     """
 
     def __init__(self, model: str = "smollm2", **server_args: Any):
+        me = mp.current_process()
+        # `_inheriting`: a spawned process is importing the main module; an unguarded script that
+        # makes an Engine at import time would otherwise try to start a scheduler from inside ours.
+        if me.daemon or getattr(me, "_inheriting", False):
+            raise RuntimeError("plait.Engine cannot be created in a daemonic process or while a spawned "
+                               "process imports the main module; if a script creates it at import time, "
+                               "put that under `if __name__ == '__main__':`")
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self.args = ServerArgs.from_kwargs(model=model, **server_args)
         logging.getLogger("plait").setLevel(self.args.log_level.upper())
-        self.scheduler = Scheduler(self.args)
-        self.tokenizer = self.scheduler.tokenizer
+        self._stopped = False
+        # Resolved here, once (a GGUF is converted once), and checked before any process starts,
+        # so an unknown path or an unsupported architecture raises its ValueError directly.
+        self.model_path: str = resolve_model(self.args.model, revision=self.args.revision)
+        from .models import get_model_class   # imports torch: only when an engine is made
+        get_model_class(load_config(self.model_path))
+        _no_torch_threads_here()
+        self._client = SchedulerClient(self.args, self.model_path)
+        # Stops the process when the engine is collected or at exit; refers to the client only.
+        self._finalizer = weakref.finalize(self, self._client.close)
+        try:
+            self.tokenizer = load_tokenizer(self.model_path)   # while the child loads the model
+            self._info: dict[str, Any] = self._client.wait_ready()
+        except BaseException:
+            self._finalizer()
+            raise
         self._rng = random.Random(self.args.random_seed)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, Callable[[TokenOutput], None]] = {}
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="plait-scheduler", daemon=True)
-        self._thread.start()
 
     # --- public API ------------------------------------------------------------------------
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
@@ -169,34 +196,40 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         """Abort a request by id; its KV is released and its result ends with reason `abort`."""
-        self._inbox.put(("abort", rid))
+        if not self._stopped:
+            self._client.abort(rid)
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache (only succeeds when no request is running)."""
-        return self._call(self.scheduler.flush_cache)
+        return self._call("flush_cache")
 
     def kv_slots_in_use(self) -> int:
         """KV slots held by requests (neither free nor cached); 0 when idle."""
-        return self._call(self.scheduler.kv_slots_in_use)
+        return self._call("kv_slots_in_use")
 
     def get_server_info(self) -> dict[str, Any]:
         """Arguments and counters."""
-        def info():
-            s = self.scheduler
-            return {"server_args": dict(vars(self.args)), "num_prompt_tokens": s.num_prompt_tokens,
-                    "num_cached_tokens": s.num_cached_tokens, "num_generated_tokens": s.num_generated_tokens,
-                    "num_retractions": s.num_retractions, "max_total_num_tokens": s.num_slots,
-                    "cache_size": s.cache.total_size(), "free_slots": s.allocator.available(),
-                    "context_length": s.context_len, "num_running": len(s.running), "num_waiting": len(s.waiting)}
-        return self._call(info)
+        return {"server_args": dict(vars(self.args)), **self._call("get_server_info")}
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Token ids that end generation (unless `ignore_eos`): the config's and the tokenizer's."""
+        return frozenset(self._info["eos_ids"])
+
+    @property
+    def scheduler_pid(self) -> int:
+        """Process id of the scheduler (model worker) process."""
+        return self._client.process.pid
+
+    @property
+    def ipc_dir(self) -> str:
+        """The private directory holding the ZeroMQ sockets (removed at shutdown)."""
+        return self._client.ipc_dir
 
     def shutdown(self) -> None:
-        """Stop the scheduler thread; pending requests end with reason `abort`."""
-        if self._stopped.is_set():
-            return
-        self._stopped.set()
-        self._inbox.put(("wake", None))
-        self._thread.join(timeout=30)
+        """Stop the scheduler process; pending requests end with reason `abort`."""
+        self._stopped = True
+        self._finalizer()
 
     def __enter__(self) -> "Engine":
         return self
@@ -204,17 +237,10 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def __del__(self):
-        try:
-            self.shutdown()
-        except Exception:
-            pass
-
     # --- internals -------------------------------------------------------------------------
     def _submit(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                 top_logprobs_num, return_text_in_logprobs, rid, stream, strict):
-        if self._stopped.is_set():
-            raise RuntimeError("the engine has been shut down")
+        self._check_running()
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt (text) and input_ids")
         if prompt is not None:
@@ -242,7 +268,7 @@ class Engine:
         states, inputs = [], []
         for ids, raw, item_rid in zip(ids_list, param_list, rids):
             params = SamplingParams.from_dict(raw, strict=strict)
-            params.validate(self.scheduler.runner.vocab_size)
+            params.validate(self._info["vocab_size"])
             start = logprob_start_len
             if return_logprob and start == -1 and params.max_new_tokens == 0:
                 start = 0   # protocol: prefill-only calls score the whole prompt
@@ -262,17 +288,24 @@ class Engine:
 
     def _validate_size(self, inp: GenerateInput) -> None:
         n = len(inp.input_ids)
-        s = self.scheduler
+        context_len, num_slots = self._info["context_len"], self._info["num_slots"]
         if n == 0:
             raise ValueError("the prompt is empty (0 tokens)")
-        if n >= s.context_len:
-            raise ValueError(f"the prompt has {n} tokens, more than the context length allows ({s.context_len})")
-        if n + 1 > s.num_slots:
-            raise ValueError(f"the prompt has {n} tokens, more than the KV cache holds ({s.num_slots})")
+        if n >= context_len:
+            raise ValueError(f"the prompt has {n} tokens, more than the context length allows ({context_len})")
+        if n + 1 > num_slots:
+            raise ValueError(f"the prompt has {n} tokens, more than the KV cache holds ({num_slots})")
+
+    def _check_running(self) -> None:
+        if self._stopped:
+            raise RuntimeError("the engine has been shut down")
+        if self._client.error is not None:
+            raise RuntimeError(f"the engine cannot serve: {self._client.error}")
 
     def _register(self, inputs: list[GenerateInput], sink: Callable[[TokenOutput], None]) -> None:
-        for inp in inputs:
-            self._inbox.put(("add", inp, sink))
+        if self._stopped:
+            raise RuntimeError("the engine has been shut down")
+        self._client.submit(inputs, sink)
 
     def _stream_sync(self, state: RequestState, channel: queue.SimpleQueue) -> Iterator[dict]:
         try:
@@ -292,68 +325,15 @@ class Engine:
             if not state.finished:
                 self.abort(state.rid)
 
-    def _call(self, fn: Callable[[], Any]) -> Any:
-        """Run fn on the scheduler thread (no races with a step) and return its result."""
-        done: queue.SimpleQueue = queue.SimpleQueue()
-        self._inbox.put(("call", fn, done))
-        ok, val = done.get()
-        if not ok:
-            raise val
-        return val
+    def _call(self, method: str) -> Any:
+        """Run a scheduler method in the scheduler process, between steps."""
+        self._check_running()
+        return self._client.call(method)
 
-    def _handle(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "add":
-            _, inp, sink = msg
-            try:
-                self.scheduler.add_request(inp)
-                self._sinks[inp.rid] = sink
-            except ValueError as e:
-                sink(TokenOutput(rid=inp.rid, new_ids=[], finish_reason={"type": "abort", "message": str(e)}))
-        elif kind == "abort":
-            out = self.scheduler.abort_request(msg[1])
-            if out is not None:
-                self._deliver([out])
-        elif kind == "call":
-            _, fn, done = msg
-            try:
-                done.put((True, fn()))
-            except Exception as e:  # handed back to the caller
-                done.put((False, e))
 
-    def _deliver(self, outputs: list[TokenOutput]) -> None:
-        for out in outputs:
-            sink = self._sinks.get(out.rid)
-            if sink is None:
-                continue
-            if out.finish_reason is not None:
-                del self._sinks[out.rid]
-            sink(out)
-
-    def _loop(self) -> None:
-        sched = self.scheduler
-        while not self._stopped.is_set():
-            try:   # block only when there is nothing to step
-                msg = self._inbox.get_nowait() if sched.has_work() else self._inbox.get()
-            except queue.Empty:
-                msg = None
-            while msg is not None:
-                self._handle(msg)
-                try:
-                    msg = self._inbox.get_nowait()
-                except queue.Empty:
-                    msg = None
-            if self._stopped.is_set():
-                break
-            try:
-                self._deliver(sched.step())
-            except Exception as e:  # never leave callers hanging on a dead loop
-                logger.exception("scheduler step failed")
-                self._fail_all(f"internal error: {e}")
-        self._fail_all("the engine was shut down")
-
-    def _fail_all(self, message: str) -> None:
-        for rid in list(self._sinks):
-            out = self.scheduler.abort_request(rid) or TokenOutput(rid=rid, new_ids=[])
-            out.finish_reason = {"type": "abort", "message": message}
-            self._deliver([out])
+def _no_torch_threads_here() -> None:
+    """The model runs in the scheduler process; this one only tokenizes. Transformers imports
+    torch anyway, so keep its (unused) thread pool from competing for cores."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)

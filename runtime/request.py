@@ -6,8 +6,8 @@ import msgspec
 from .sampling_params import SamplingParams
 
 
-class GenerateInput(msgspec.Struct, kw_only=True):
-    """A tokenized request, as the scheduler receives it."""
+class GenerateInput(msgspec.Struct, kw_only=True, tag=True):
+    """A tokenized request, as the scheduler receives it (tagged: one of the ZeroMQ messages)."""
     rid: str
     input_ids: list[int]
     params: SamplingParams
@@ -17,7 +17,7 @@ class GenerateInput(msgspec.Struct, kw_only=True):
     top_logprobs_num: int = 0
 
 
-class TokenOutput(msgspec.Struct, kw_only=True):
+class TokenOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What one step produced for one request: new tokens (and logprobs), and whether it finished."""
     rid: str
     new_ids: list[int]

@@ -1,4 +1,4 @@
-"""The in-process Engine on the real scheduler: protocol shapes, sampling features, caching,
+"""The Engine (scheduler in its own process) on the real scheduler: protocol shapes, sampling features, caching,
 retraction, concurrency and bad input. Tiny random Llama with the real tokenizer unless marked."""
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def test_result_shape(engine):
     assert meta["completion_tokens"] == len(out["output_ids"])
     assert isinstance(meta["e2e_latency"], float)
     assert out["text"] == engine.tokenizer.decode(
-        [t for t in out["output_ids"] if t not in engine.scheduler.eos_ids], skip_special_tokens=True)
+        [t for t in out["output_ids"] if t not in engine.eos_token_ids], skip_special_tokens=True)
     assert_no_leak(engine)
 
 
@@ -88,7 +88,7 @@ def test_stop_strings_and_tokens(engine):
 
 
 def test_min_new_tokens_and_ignore_eos(engine):
-    eos = sorted(engine.scheduler.eos_ids)
+    eos = sorted(engine.eos_token_ids)
     out = engine.generate("x", {"temperature": 0, "max_new_tokens": 8, "min_new_tokens": 8, "stop_token_ids": eos})
     assert len(out["output_ids"]) == 8
     out = engine.generate("x", {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True})
