@@ -28,7 +28,8 @@ class TorchNativeAttention(AttentionBackend):
     """SDPA over K/V gathered from the pool into a padded `[B, KVH, max_kv, D]` batch."""
 
     def forward(self, q, k, v, layer_id, batch, scale):
-        self.pool.write(layer_id, batch.out_cache_loc, k, v)
+        kv_dtype = self.pool.k[layer_id].dtype
+        self.pool.write(layer_id, batch.out_cache_loc, k.to(kv_dtype), v.to(kv_dtype))
         outs = [self._attend(q[g.start:g.end], layer_id, g, scale) for g in batch.groups]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -45,8 +46,11 @@ class TorchNativeAttention(AttentionBackend):
             qp = q.new_zeros(g.bsz * g.max_q, num_heads, head_dim)
             qp[g.q_scatter] = q
             qp = qp.view(g.bsz, g.max_q, num_heads, head_dim)
+        dtype = q.dtype
+        if keys.dtype != dtype:       # the pool may be kept in a wider dtype (see ModelRunner)
+            qp = qp.to(keys.dtype)
         out = F.scaled_dot_product_attention(
             qp.transpose(1, 2), keys, values, attn_mask=g.attn_mask, scale=scale,
             enable_gqa=num_heads != kv_heads)
-        out = out.transpose(1, 2).reshape(g.bsz * g.max_q, num_heads * head_dim)
+        out = out.transpose(1, 2).reshape(g.bsz * g.max_q, num_heads * head_dim).to(dtype)
         return out if g.q_scatter is None else out[g.q_scatter]
