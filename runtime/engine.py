@@ -165,7 +165,8 @@ class Engine:
             st.update(out)
             pending -= st.finished
         results = [s.result() for s in states]
-        return results if batch else results[0]
+        # a single prompt gives one result, or a list of n when it asks for n > 1
+        return results if batch or len(results) > 1 else results[0]
 
     async def async_generate(self, prompt: str | list[str] | None = None,
                              sampling_params: dict | list[dict] | None = None,
@@ -192,7 +193,8 @@ class Engine:
             st.update(out)
             pending -= st.finished
         results = [s.result() for s in states]
-        return results if batch else results[0]
+        # a single prompt gives one result, or a list of n when it asks for n > 1
+        return results if batch or len(results) > 1 else results[0]
 
     def abort(self, rid: str) -> None:
         """Abort a request by id; its KV is released and its result ends with reason `abort`."""
@@ -295,6 +297,9 @@ class Engine:
             raise ValueError(f"the prompt has {n} tokens, more than the context length allows ({context_len})")
         if n + 1 > num_slots:
             raise ValueError(f"the prompt has {n} tokens, more than the KV cache holds ({num_slots})")
+        vocab = self._info["vocab_size"]
+        if min(inp.input_ids) < 0 or max(inp.input_ids) >= vocab:
+            raise ValueError(f"input_ids must be token ids in [0, {vocab})")
 
     def _check_running(self) -> None:
         if self._stopped:

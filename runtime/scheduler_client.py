@@ -52,6 +52,10 @@ class SchedulerClient:
         self._codec = Codec(FromScheduler)     # encode under _lock; decode on the receiver only
         self._lock = threading.Lock()          # guards _send, _sinks, _rpcs, error
         self._sinks: dict[str, Sink] = {}
+        # Aborts that arrived before their request was submitted (a client racing its own
+        # request); bounded, oldest forgotten first.
+        self._early_aborts: dict[str, None] = {}
+        self._recently_done: dict[str, None] = {}   # so aborting a finished rid is not "early"
         self._rpcs: dict[int, Future] = {}
         self._ids = itertools.count()
         self.error: str | None = None          # set once the scheduler can no longer be used
@@ -113,13 +117,19 @@ class SchedulerClient:
                 raise ValueError(f"the request cannot be sent to the scheduler: {e}") from None
             for inp in inputs:
                 self._sinks[inp.rid] = sink
+                self._recently_done.pop(inp.rid, None)
             for frame in frames:
                 self._send.send(frame)
+            for inp in inputs:
+                if self._early_aborts.pop(inp.rid, 1) is None:
+                    self._send.send(self._codec.encode(AbortReq(rid=inp.rid)))
 
     def abort(self, rid: str) -> None:
         """Ask the scheduler to abort `rid`; a no-op once the scheduler is gone."""
         with self._lock:
             if self.error is None:
+                if rid not in self._sinks and rid not in self._recently_done:
+                    _remember(self._early_aborts, rid)
                 self._send.send(self._codec.encode(AbortReq(rid=rid)))
 
     def call(self, method: str) -> Any:
@@ -173,6 +183,9 @@ class SchedulerClient:
             with self._lock:
                 routed = [(self._sinks.get(o.rid) if o.finish_reason is None else self._sinks.pop(o.rid, None), o)
                           for o in msg.outputs]
+                for o in msg.outputs:
+                    if o.finish_reason is not None:
+                        _remember(self._recently_done, o.rid)
             for sink, out in routed:
                 if sink is not None:
                     _deliver(sink, out)
@@ -233,6 +246,13 @@ class SchedulerClient:
         self._recv.close(linger=0)
         self._ctx.term()
         remove_ipc_dir(self.ipc_dir)
+
+
+def _remember(bounded: dict[str, None], rid: str, limit: int = 4096) -> None:
+    """Add rid to an insertion-ordered set that forgets its oldest entries past `limit`."""
+    bounded[rid] = None
+    if len(bounded) > limit:
+        del bounded[next(iter(bounded))]
 
 
 def _deliver(sink: Sink, out: TokenOutput) -> None:

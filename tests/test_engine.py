@@ -214,3 +214,21 @@ def test_fcfs_and_no_radix_cache(tiny_model_dirs):
         assert a["output_ids"] == b["output_ids"]
         assert eng.get_server_info()["cache_size"] == 0
         assert_no_leak(eng)
+
+
+def test_single_prompt_with_n_returns_list(engine):
+    outs = engine.generate("n copies", {"temperature": 0.7, "max_new_tokens": 3, "n": 3, "seed": 2})
+    assert isinstance(outs, list) and len(outs) == 3
+    with pytest.raises(ValueError, match="token ids"):
+        engine.generate(input_ids=[1, 10**7], sampling_params={"max_new_tokens": 1})
+
+
+def test_abort_before_submit_and_rid_reuse(engine):
+    engine.abort("early-bird")            # a client racing its own request
+    out = engine.generate("early", {"max_new_tokens": 50, "ignore_eos": True}, rid="early-bird")
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    done = engine.generate("reuse", {"max_new_tokens": 2}, rid="reused")
+    engine.abort("reused")                # aborting a finished request does nothing...
+    again = engine.generate("reuse", {"max_new_tokens": 2}, rid="reused")
+    assert again["meta_info"]["finish_reason"]["type"] == done["meta_info"]["finish_reason"]["type"] != "abort"
+    assert_no_leak(engine)

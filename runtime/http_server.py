@@ -1,0 +1,718 @@
+"""The HTTP server over one `Engine`: the native SGLang-compatible API (`shared/protocol.md`),
+the OpenAI-compatible API (`openai_api.py`), health, metrics and errors.
+
+Everything that is not a 200 is an OpenAI-shaped error object
+`{"error": {"message", "type", "code"}}`; no traceback ever reaches a client. Each generate
+request gets engine request ids (rids) so that a client that goes away can be aborted, which
+releases its KV memory.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import logging
+import math
+import socket
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response, StreamingResponse
+
+from .server_args import ServerArgs
+from .server_metrics import METRICS_CONTENT_TYPE, ServerMetrics, StreamTimer, cache_hit_rate, kv_usage
+
+logger = logging.getLogger("plait.http")
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
+LOG_INTERVAL_S = 10.0            # periodic load line while busy
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+FLUSH_WAIT_S = 5.0               # /flush_cache waits this long for running requests to end
+RETRY_AFTER_S = 1
+SSE_DONE = "data: [DONE]\n\n"
+# path -> `endpoint` label of the requests counter
+GENERATE_ENDPOINTS = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+_ERROR_DEFAULTS = {
+    400: ("invalid_request_error", "invalid_request"),
+    401: ("invalid_request_error", "invalid_api_key"),
+    404: ("invalid_request_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "request_too_large"),
+    500: ("server_error", "internal_error"),
+    503: ("server_error", "service_unavailable"),
+}
+
+
+# --- errors -----------------------------------------------------------------------------------
+class ApiError(Exception):
+    """An error answered to the client as `{"error": {...}}` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        default_type, default_code = _ERROR_DEFAULTS.get(status, ("invalid_request_error", str(status)))
+        self.status = status
+        self.message = message
+        self.type = type_ or default_type
+        self.code = code or default_code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        """The error object sent to the client."""
+        return {"error": {"message": self.message, "type": self.type, "code": self.code}}
+
+    def response(self) -> Response:
+        """The error as an HTTP response."""
+        return json_response(self.body(), self.status, self.headers)
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request was running; nothing is sent back."""
+
+
+def abort_error(reason: dict[str, Any]) -> ApiError:
+    """The error for a request the engine ended with `{"type": "abort"}` without being asked to."""
+    message = str(reason.get("message") or "the request was aborted")
+    if message.startswith("internal error"):
+        return ApiError(500, message)
+    if "shut down" in message:
+        return ApiError(503, message)
+    return ApiError(400, message)
+
+
+def is_abort(result: dict[str, Any]) -> bool:
+    """Whether a result ended with finish reason `abort`."""
+    reason = (result.get("meta_info") or {}).get("finish_reason")
+    return isinstance(reason, dict) and reason.get("type") == "abort"
+
+
+# --- JSON and SSE -----------------------------------------------------------------------------
+def dumps(obj: Any) -> str:
+    """Strict JSON; a non-finite float (a -inf logprob) becomes -9999.0 / null as in OpenAI's API."""
+    try:
+        return json.dumps(obj, ensure_ascii=False, allow_nan=False, default=str)
+    except ValueError:
+        return json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False, default=str)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None if math.isnan(obj) else (-9999.0 if obj < 0 else 9999.0)
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """A JSON response encoded with `dumps`."""
+    return Response(dumps(obj), status_code=status, headers=headers, media_type="application/json")
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event carrying a JSON object."""
+    return f"data: {dumps(obj)}\n\n"
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    """The request body as a JSON object; 413 past MAX_BODY_BYTES (also for chunked bodies), 400 if
+    it is not a JSON object."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    if not body.strip():
+        raise ApiError(400, "the request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}",
+                       code="invalid_json")
+    return data
+
+
+# --- middleware -------------------------------------------------------------------------------
+class GuardMiddleware:
+    """API-key check (every route but /health) and Content-Length limit, before any handler runs.
+
+    A plain ASGI middleware, not BaseHTTPMiddleware, so streaming and disconnects pass through."""
+
+    def __init__(self, app: Callable, api_key: str | None):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http":
+            err = self._check(scope)
+            if err is not None:
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _check(self, scope: dict) -> ApiError | None:
+        headers = Headers(scope=scope)
+        if self.api_key is not None and scope.get("path") != "/health":
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
+                return ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.strip().isdigit():
+                return ApiError(400, f"invalid Content-Length header {length!r}")
+            if int(length) > MAX_BODY_BYTES:
+                return ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        return None
+
+
+# --- per-request bookkeeping ------------------------------------------------------------------
+class Hold:
+    """One admitted generate request: its place in the server's bound and its engine rids.
+
+    `close()` gives the place back and aborts every rid not seen finished (a no-op in the engine
+    for finished ones), so a failure or a disconnect never leaves KV memory held."""
+
+    def __init__(self, state: "ServerState", rids: list[str], aliases: dict[str, list[str]]):
+        self.state = state
+        self.rids = rids
+        self.aliases = aliases
+        self.done: set[str] = set()
+        self.start = time.perf_counter()
+        self.closed = False
+
+    def finish(self, rid: str) -> None:
+        """Mark one rid finished (no abort needed at close)."""
+        self.done.add(rid)
+
+    def finish_all(self) -> None:
+        """Mark every rid finished."""
+        self.done.update(self.rids)
+
+    def close(self) -> None:
+        """Release the place; abort unfinished rids. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.state.in_flight -= 1
+        for rid in self.rids:
+            if rid not in self.done:
+                with contextlib.suppress(Exception):   # e.g. an engine already shut down
+                    self.state.engine.abort(rid)
+            self.state.active.pop(rid, None)
+            self.state.user_aborted.discard(rid)
+        for name in self.aliases:
+            self.state.aliases.pop(name, None)
+
+    def __enter__(self) -> "Hold":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class ServerState:
+    """What the route handlers share: the engine, names, the request bound, metrics."""
+
+    def __init__(self, engine: Any, served_model_name: str, max_queued_requests: int):
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.model_path = str(engine.args.model)
+        self.max_queued_requests = max_queued_requests
+        self.in_flight = 0
+        self.active: dict[str, Hold] = {}       # engine rid -> its request
+        self.aliases: dict[str, list[str]] = {}  # a client-visible id -> its engine rids (n copies)
+        self.user_aborted: set[str] = set()     # rids aborted on purpose: their result is not an error
+        self.metrics = ServerMetrics()
+        # Read once: the context length bounds OpenAI's default max_tokens.
+        self.context_len: int | None = engine.get_server_info().get("context_length")
+
+    @property
+    def model_names(self) -> set[str]:
+        """Names a client may put in `model`."""
+        return {self.served_model_name, self.model_path}
+
+    def check_model(self, body: dict[str, Any]) -> None:
+        """404 `model_not_found` for a `model` this server does not serve (absent is fine)."""
+        model = body.get("model")
+        if model is None:
+            return
+        if not isinstance(model, str):
+            raise ApiError(400, f"model must be a string, got {type(model).__name__}")
+        if model not in self.model_names:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                           f"{self.served_model_name!r}", code="model_not_found")
+
+    def admit(self, rids: list[str], aliases: dict[str, list[str]] | None = None) -> Hold:
+        """Take a place for a generate request, or 503 with Retry-After past the bound. `aliases`
+        are ids a client may pass to /abort_request to abort several engine rids at once."""
+        if self.in_flight >= self.max_queued_requests:
+            raise ApiError(503, f"the server is at its limit of {self.max_queued_requests} requests in "
+                           "flight; retry later", code="server_overloaded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        aliases = aliases or {}
+        for rid in [*rids, *aliases]:
+            if rid in self.active or rid in self.aliases:
+                raise ApiError(400, f"rid {rid!r} is already in use by a running request")
+        self.in_flight += 1
+        hold = Hold(self, rids, aliases)
+        for rid in rids:
+            self.active[rid] = hold
+        self.aliases.update(aliases)
+        return hold
+
+    def abort_request(self, rid: str) -> bool:
+        """Abort on purpose (from /abort_request): the request and its n copies end with `abort`."""
+        rids = self.aliases.get(rid) or ([rid] if rid in self.active else [])
+        for r in rids:
+            self.user_aborted.add(r)
+            self.engine.abort(r)
+        if not rids:
+            self.engine.abort(rid)   # may not have reached the server's books; harmless if unknown
+        return bool(rids)
+
+    def check_result(self, result: dict[str, Any]) -> None:
+        """Raise the error for an abort nobody asked for."""
+        if is_abort(result) and result["meta_info"].get("id") not in self.user_aborted:
+            raise abort_error(result["meta_info"]["finish_reason"])
+
+    async def watch(self, request: Request, aw: Awaitable[Any]) -> Any:
+        """Await `aw`, raising ClientGone if the client disconnects first (the caller's Hold then
+        aborts the request). The body has been read, so the next ASGI message is the disconnect."""
+        task = asyncio.ensure_future(aw)
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            raise ClientGone()
+        finally:
+            for t in (task, gone):
+                if not t.done():
+                    t.cancel()
+
+    async def generate(self, request: Request, hold: Hold, endpoint: str, **kwargs: Any) -> Any:
+        """Non-streaming engine call: results (checked for aborts), metrics, disconnect watch."""
+        try:
+            out = await self.watch(request, self.engine.async_generate(**kwargs, strict=False))
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        hold.finish_all()
+        results = out if isinstance(out, list) else [out]
+        for r in results:
+            self.check_result(r)
+        for r in results:
+            self.metrics.observe_result(r, hold.start)
+        self.metrics.count_request(endpoint, 200)
+        return out
+
+    async def open_stream(self, rid: str, **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
+        """Start one streaming engine call; 400 for bad input."""
+        try:
+            return await self.engine.async_generate(**kwargs, stream=True, rid=rid, strict=False)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+
+    async def server_info(self) -> dict[str, Any]:
+        """engine.get_server_info() (off the event loop) plus the server's own state."""
+        from plait import __version__
+        info = await asyncio.to_thread(self.engine.get_server_info)
+        return {**info, "version": __version__, "served_model_name": self.served_model_name,
+                "model_path": self.model_path, "max_queued_requests": self.max_queued_requests,
+                "num_http_in_flight": self.in_flight}
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that releases its request however it ends: finished, failed, or the client
+    gone (also before the body generator ever started, when its own cleanup would not run)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], hold: Hold):
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.hold = hold
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.hold.close()
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()
+
+
+# --- native API -------------------------------------------------------------------------------
+@dataclasses.dataclass
+class NativeRequest:
+    """A parsed `POST /generate` body."""
+    kwargs: dict[str, Any]          # for engine.async_generate, without rid/stream
+    item_rids: list[str]            # one per prompt
+    n_per_item: list[int]
+    stream: bool
+    batch: bool                     # the answer is a list
+
+
+def _type_error(field: str, expected: str, value: Any) -> ApiError:
+    return ApiError(400, f"{field} must be {expected}, got {type(value).__name__}")
+
+
+def _opt(body: dict[str, Any], field: str, default: Any, check: Callable[[Any], bool], expected: str) -> Any:
+    value = body.get(field)
+    if value is None:
+        return default
+    if not check(value):
+        raise _type_error(field, expected, value)
+    return value
+
+
+def is_int(v: Any) -> bool:
+    """An int that is not a bool."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _prompt_fields(body: dict[str, Any]) -> tuple[dict[str, Any], int, bool]:
+    """text / input_ids -> engine kwargs, number of prompts, whether it is a batch."""
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise ApiError(400, "give exactly one of text and input_ids")
+    if text is not None:
+        if isinstance(text, str):
+            return {"prompt": text}, 1, False
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return {"prompt": text}, len(text), True
+        raise ApiError(400, "text must be a string or a non-empty list of strings")
+    if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
+        return {"input_ids": ids}, len(ids), True
+    if isinstance(ids, list) and all(is_int(x) for x in ids):
+        return {"input_ids": ids}, 1, False
+    raise ApiError(400, "input_ids must be a list of ints or a non-empty list of lists of ints")
+
+
+def _n_of(params: Any) -> int:
+    n = params.get("n") if isinstance(params, dict) else None
+    return n if is_int(n) and n > 0 else 1
+
+
+def parse_native(body: dict[str, Any]) -> NativeRequest:
+    """Validate the top-level fields of a /generate body (the engine validates sampling params)."""
+    kwargs, num, batch = _prompt_fields(body)
+    sp = body.get("sampling_params")
+    if sp is not None and not isinstance(sp, (dict, list)):
+        raise _type_error("sampling_params", "an object or a list of objects", sp)
+    if isinstance(sp, list) and not all(p is None or isinstance(p, dict) for p in sp):
+        raise ApiError(400, "sampling_params must be an object or a list of objects")
+    kwargs["sampling_params"] = sp
+    kwargs["return_logprob"] = _opt(body, "return_logprob", False, lambda v: isinstance(v, bool), "a bool")
+    kwargs["logprob_start_len"] = _opt(body, "logprob_start_len", -1, is_int, "an int")
+    kwargs["top_logprobs_num"] = _opt(body, "top_logprobs_num", 0, is_int, "an int")
+    kwargs["return_text_in_logprobs"] = _opt(body, "return_text_in_logprobs", False,
+                                             lambda v: isinstance(v, bool), "a bool")
+    stream = _opt(body, "stream", False, lambda v: isinstance(v, bool), "a bool")
+    n_per_item = [_n_of(p) for p in sp] if isinstance(sp, list) else [_n_of(sp)] * num
+    item_rids = _item_rids(body.get("rid"), num, batch)
+    if not batch and n_per_item[0] > 1 and not stream:
+        # n > 1 answers a list even for one prompt: send it as a batch of one
+        for key in ("prompt", "input_ids"):
+            if key in kwargs:
+                kwargs[key] = [kwargs[key]]
+        batch = True
+    return NativeRequest(kwargs, item_rids, n_per_item, stream, batch)
+
+
+def _item_rids(rid: Any, num: int, batch: bool) -> list[str]:
+    if rid is None:
+        base = uuid.uuid4().hex
+        return [f"{base}-{j}" for j in range(num)] if batch else [base]
+    if isinstance(rid, str) and not batch:
+        return [rid]
+    if isinstance(rid, list) and len(rid) == num and all(isinstance(r, str) and r for r in rid):
+        if len(set(rid)) != num:
+            raise ApiError(400, "rid must not repeat an id")
+        return rid
+    raise ApiError(400, "rid must be a string for one prompt, or a list of strings with one per prompt")
+
+
+def expand_rids(item_rids: list[str], n_per_item: list[int]) -> list[str]:
+    """The engine's rids: an item's rid as is when n == 1, else `rid-0` ... `rid-(n-1)`."""
+    out: list[str] = []
+    for rid, n in zip(item_rids, n_per_item):
+        out += [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+    return out
+
+
+async def handle_generate(state: ServerState, request: Request) -> Response:
+    """POST /generate."""
+    req = parse_native(await read_json(request))
+    rids = expand_rids(req.item_rids, req.n_per_item)
+    aliases = {r: expand_rids([r], [n]) for r, n in zip(req.item_rids, req.n_per_item) if n > 1}
+    hold = state.admit(rids, aliases)
+    if req.stream:
+        return await _native_stream(state, request, hold, req)
+    with hold:
+        rid = req.item_rids if req.batch else req.item_rids[0]
+        out = await state.generate(request, hold, "generate", rid=rid, **req.kwargs)
+    return json_response(out)
+
+
+async def _native_stream(state: ServerState, request: Request, hold: Hold, req: NativeRequest) -> Response:
+    # The first result is awaited before answering, so bad input the engine reports late is
+    # still a plain 400 rather than an error event.
+    try:
+        if req.batch or req.n_per_item[0] != 1:
+            raise ApiError(400, "stream=true takes one prompt with n=1")
+        rid = req.item_rids[0]
+        it = await state.open_stream(rid, **req.kwargs)
+        try:
+            first = await state.watch(request, it.__anext__())
+        except StopAsyncIteration:
+            raise ApiError(500, "the engine ended the stream without a result") from None
+        state.check_result(first)
+    except BaseException:
+        hold.close()
+        raise
+    return EventStream(_native_events(state, hold, rid, first, it), hold)
+
+
+async def _native_events(state: ServerState, hold: Hold, rid: str, first: dict[str, Any],
+                         it: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    timer = StreamTimer(state.metrics, hold.start)
+    result = first
+    try:
+        while True:
+            timer.update(result)
+            meta = result["meta_info"]
+            if is_abort(result) and meta.get("id") not in state.user_aborted:
+                yield sse(abort_error(meta["finish_reason"]).body())
+                break
+            yield sse(result)
+            if meta.get("finish_reason") is not None:
+                hold.finish(rid)
+                state.metrics.observe_result(result, hold.start)
+                break
+            result = await it.__anext__()
+        state.metrics.count_request("generate", 200)
+    except StopAsyncIteration:
+        pass
+    except Exception:
+        logger.exception("stream %s failed", rid)
+        yield sse(ApiError(500, "internal error while streaming").body())
+    yield SSE_DONE
+
+
+def _model_info(state: ServerState) -> dict[str, Any]:
+    return {"model_path": state.model_path, "tokenizer_path": state.model_path, "is_generation": True,
+            "served_model_name": state.served_model_name, "context_length": state.context_len}
+
+
+async def _flush(state: ServerState) -> Response:
+    deadline = time.monotonic() + FLUSH_WAIT_S
+    while True:
+        if await asyncio.to_thread(state.engine.flush_cache):
+            return json_response({"success": True, "message": "cache flushed"})
+        if time.monotonic() > deadline:
+            raise ApiError(503, "the cache was not flushed: requests are still running; retry when idle",
+                           code="cache_busy", headers={"Retry-After": str(RETRY_AFTER_S)})
+        await asyncio.sleep(0.05)
+
+
+async def _health_generate(state: ServerState) -> Response:
+    rid = f"health-{uuid.uuid4().hex}"
+    try:
+        out = await asyncio.wait_for(state.engine.async_generate(
+            prompt="Hello", sampling_params={"max_new_tokens": 1, "temperature": 0}, rid=rid, strict=False),
+            HEALTH_GENERATE_TIMEOUT_S)
+    except Exception as e:   # timeout, shutdown: unhealthy, whatever the cause
+        state.engine.abort(rid)
+        raise ApiError(503, f"the engine could not generate: {type(e).__name__}: {e}") from None
+    if is_abort(out):
+        raise ApiError(503, f"the engine could not generate: {out['meta_info']['finish_reason']}")
+    return json_response({"status": "ok"})
+
+
+def add_native_routes(app: FastAPI, state: ServerState) -> None:
+    """The SGLang-compatible routes of protocol.md."""
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        return await handle_generate(state, request)
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def model_info() -> Response:
+        return json_response(_model_info(state))
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def server_info() -> Response:
+        return json_response(await state.server_info())
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        return await _flush(state)
+
+    @app.post("/concate_and_append_request")
+    async def concate_and_append_request() -> Response:
+        # The client has already joined the text; answering (not 404) keeps it from hanging.
+        return json_response({"success": True})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        return await _health_generate(state)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await read_json(request)
+        if body.get("abort_all") is True:
+            for rid in list(state.active):
+                state.abort_request(rid)
+            return json_response({"success": True})
+        rid = body.get("rid")
+        if not isinstance(rid, str) or not rid:
+            raise ApiError(400, "rid must be a non-empty string")
+        return json_response({"success": True, "found": state.abort_request(rid)})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        try:
+            info = await asyncio.to_thread(state.engine.get_server_info)
+        except Exception:   # metrics must answer even when the engine does not
+            info = None
+        return Response(state.metrics.render(info, state.in_flight), media_type=METRICS_CONTENT_TYPE)
+
+
+# --- app --------------------------------------------------------------------------------------
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error in the OpenAI shape: ours, FastAPI's validation (400, not 422), routing (404 /
+    405), client disconnects, and anything unexpected (500, logged, no traceback sent)."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> Response:
+        endpoint = GENERATE_ENDPOINTS.get(request.url.path)
+        if endpoint is not None:
+            request.app.state.plait.metrics.count_request(endpoint, exc.status)
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+        parts = ["/".join(str(p) for p in e.get("loc", ())) + ": " + str(e.get("msg")) for e in exc.errors()]
+        return ApiError(400, "invalid request: " + "; ".join(parts)).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        return ApiError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})).response()
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        # Starlette re-raises after answering, so the server log gets the traceback; the client never.
+        logger.error("unhandled error on %s %s: %r", request.method, request.url.path, exc)
+        return ApiError(500, f"internal server error ({type(exc).__name__})").response()
+
+
+async def _log_loop(state: ServerState, interval: float) -> None:
+    """Every `interval` seconds while busy: running / queued requests, KV usage, generation
+    throughput, cache hit rate."""
+    last_gen, last_t = None, time.monotonic()
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            info = await asyncio.to_thread(state.engine.get_server_info)
+        except Exception:
+            continue
+        now, gen = time.monotonic(), info.get("num_generated_tokens", 0)
+        rate = (gen - last_gen) / (now - last_t) if last_gen is not None else 0.0
+        last_gen, last_t = gen, now
+        if info.get("num_running", 0) or info.get("num_waiting", 0) or state.in_flight or rate:
+            logger.info("running: %d, queued: %d, http in flight: %d, KV usage: %.1f%%, gen throughput: "
+                        "%.1f tok/s, cache hit rate: %.1f%%", info.get("num_running", 0),
+                        info.get("num_waiting", 0), state.in_flight, 100 * kv_usage(info), rate,
+                        100 * cache_hit_rate(info))
+
+
+def create_app(engine: Any, api_key: str | None = None, served_model_name: str | None = None,
+               max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, ready_message: str | None = None,
+               log_interval: float = LOG_INTERVAL_S) -> FastAPI:
+    """The FastAPI app serving `engine` (which the caller owns and shuts down).
+
+    `served_model_name` is the name in /v1/models and the accepted `model` (besides the model
+    path); `max_queued_requests` bounds the generate requests in flight (503 beyond);
+    `ready_message` is printed once the server is up."""
+    from .openai_api import add_openai_routes
+    state = ServerState(engine, served_model_name or str(engine.args.model), max_queued_requests)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(_log_loop(state, log_interval))
+        if ready_message:
+            print(ready_message, flush=True)
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    app = FastAPI(title="plait", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.plait = state
+    add_error_handlers(app)
+    add_native_routes(app, state)
+    add_openai_routes(app, state)
+    app.add_middleware(GuardMiddleware, api_key=api_key)
+    return app
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port; OSError (EADDRINUSE) if the port is taken. Bound before the
+    model loads so that a busy port fails fast."""
+    family, type_, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, type_, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock   # not inheritable: the engine's spawned scheduler process must not hold the port
+
+
+def run_server(args: ServerArgs, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
+               max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, served_model_name: str | None = None,
+               sock: socket.socket | None = None) -> None:
+    """Load the engine and serve until SIGINT / SIGTERM; the engine is shut down on the way out."""
+    import uvicorn
+
+    from .engine import Engine
+    sock = sock or bind_socket(host, port)
+    engine = Engine(**dataclasses.asdict(args))
+    try:
+        shown = f"[{host}]" if ":" in host else host
+        app = create_app(engine, api_key, served_model_name, max_queued_requests,
+                         ready_message=f"plait: ready, serving {args.model} at http://{shown}:{port}")
+        config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False,
+                                timeout_graceful_shutdown=3)
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        engine.shutdown()
+        sock.close()
