@@ -1,1 +1,101 @@
-"""plait.grammar — constraints: schema/regex compile, token masks, jump-forward (coming with the grammar issue)."""
+"""plait.grammar — constrained decoding: JSON schema / regex / EBNF / choice specs compiled
+through interchangeable backends (xgrammar by default, outlines-core, llguidance), per-request
+matchers that fill packed vocabulary bitmasks, jump-forward text, and a compile cache.
+
+    backend = make_backend("xgrammar", hf_tokenizer, vocab_size=model_vocab)
+    cache = GrammarCache(backend)
+    grammar = cache.submit(GrammarSpec.from_json_schema(schema)).result()   # Future: never blocks the caller
+    m = grammar.matcher()
+    bitmask = allocate_token_bitmask(batch, vocab_size)
+    m.fill_mask(bitmask, row); apply_token_bitmask_(logits, bitmask); m.accept(token)
+
+This package never imports plait.runtime or plait.frontend (runtime uses grammar, not the other
+way), and importing it does not import torch or any backend.
+"""
+from __future__ import annotations
+
+import importlib
+import threading
+from typing import Any
+
+from .base import (KINDS, Grammar, GrammarBackend, GrammarError, GrammarSpec, Matcher, canonical_json)
+from .cache import GrammarCache
+from .tokenizer_info import TokenizerInfo
+
+__all__ = [
+    "GrammarError", "GrammarSpec", "TokenizerInfo", "Grammar", "Matcher", "GrammarBackend",
+    "GrammarCache", "make_backend", "available_backends", "allocate_token_bitmask",
+    "apply_token_bitmask_", "canonical_json", "BACKENDS", "KINDS", "DEFAULT_BACKEND",
+]
+
+DEFAULT_BACKEND = "xgrammar"
+# name -> (module, class, the pip requirement that brings it)
+BACKENDS = {
+    "xgrammar": (".xgrammar_backend", "XGrammarBackend", "xgrammar"),
+    "outlines": (".outlines_backend", "OutlinesBackend", "outlines-core"),
+    "llguidance": (".llguidance_backend", "LLGuidanceBackend", "llguidance (pip install 'plait[llguidance]')"),
+}
+
+_infos: dict[tuple, tuple[Any, TokenizerInfo]] = {}
+_infos_lock = threading.Lock()
+
+
+def tokenizer_info(tokenizer, vocab_size: int | None = None, eos_token_ids=None) -> TokenizerInfo:
+    """The TokenizerInfo of an HF tokenizer, built once per (tokenizer, vocab_size, eos ids)."""
+    if isinstance(tokenizer, TokenizerInfo):
+        return tokenizer
+    eos = None if eos_token_ids is None else (
+        (int(eos_token_ids),) if isinstance(eos_token_ids, int) else tuple(int(i) for i in eos_token_ids))
+    key = (id(tokenizer), vocab_size, eos)
+    with _infos_lock:
+        hit = _infos.get(key)
+        if hit is not None and hit[0] is tokenizer:
+            return hit[1]
+    info = TokenizerInfo(tokenizer, vocab_size, eos)
+    with _infos_lock:
+        _infos[key] = (tokenizer, info)     # holds the tokenizer, so its id stays unique
+    return info
+
+
+def _backend_class(name: str):
+    try:
+        module_name, cls_name, requirement = BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown grammar backend {name!r}; expected one of {', '.join(BACKENDS)}") from None
+    try:
+        module = importlib.import_module(module_name, __name__)
+    except ImportError as e:
+        raise ImportError(f"grammar backend {name!r} is not available: it needs {requirement} ({e})") from e
+    return getattr(module, cls_name)
+
+
+def available_backends() -> list[str]:
+    """The backends whose package is installed."""
+    out = []
+    for name in BACKENDS:
+        try:
+            _backend_class(name)
+        except ImportError:
+            continue
+        out.append(name)
+    return out
+
+
+def make_backend(name: str | None, tokenizer, vocab_size: int | None = None, *,
+                 eos_token_ids=None, **options) -> GrammarBackend:
+    """A grammar backend for an HF tokenizer (or a TokenizerInfo). `vocab_size` is the MODEL's
+    vocabulary size (logits width). `options` go to the backend (json_whitespace="default" |
+    "compact" | "any"; xgrammar: max_threads, strict_mode, any_order; outlines: max_memory_mb,
+    compile_timeout_s, isolate). Raises ImportError naming the package if it is missing."""
+    cls = _backend_class(name or DEFAULT_BACKEND)
+    return cls(tokenizer_info(tokenizer, vocab_size, eos_token_ids), **options)
+
+
+def allocate_token_bitmask(batch: int, vocab_size: int, **kw):
+    from .bitmask import allocate_token_bitmask as f
+    return f(batch, vocab_size, **kw)
+
+
+def apply_token_bitmask_(logits, bitmask) -> None:
+    from .bitmask import apply_token_bitmask_ as f
+    f(logits, bitmask)

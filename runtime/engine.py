@@ -271,6 +271,7 @@ class Engine:
         for ids, raw, item_rid in zip(ids_list, param_list, rids):
             params = SamplingParams.from_dict(raw, strict=strict)
             params.validate(self._info["vocab_size"])
+            params.grammar_spec()   # a malformed spec (e.g. a schema that is not JSON) fails here, as a ValueError
             start = logprob_start_len
             if return_logprob and start == -1 and params.max_new_tokens == 0:
                 start = 0   # protocol: prefill-only calls score the whole prompt
@@ -281,7 +282,12 @@ class Engine:
                                             return_logprob=return_logprob,
                                             logprob_start_len=start if return_logprob else -1,
                                             top_logprobs_num=top_logprobs_num if return_logprob else 0))
-                states.append(RequestState(r, params, self.tokenizer, return_text_in_logprobs))
+                state = RequestState(r, params, self.tokenizer, return_text_in_logprobs)
+                if return_logprob:   # protocol: one triple per generated token, so [] for none
+                    state.meta_logprobs["output_token_logprobs"] = []   # (SGLang's select reads it)
+                    if top_logprobs_num:
+                        state.meta_logprobs["output_top_logprobs"] = []
+                states.append(state)
         if stream and len(states) != 1:
             raise ValueError("stream=True takes one prompt with n=1")
         for inp in inputs:

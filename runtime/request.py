@@ -42,7 +42,7 @@ class Req:
     __slots__ = ("rid", "origin_ids", "output_ids", "params", "seed", "return_logprob",
                  "logprob_start_len", "top_logprobs_num", "row", "kv_len", "cached_len",
                  "last_node", "cached_tokens", "finish_reason", "prefilled", "input_logprobs",
-                 "input_top_logprobs", "stop_tail_tokens", "arrival")
+                 "input_top_logprobs", "stop_tail_tokens", "arrival", "matcher")
 
     def __init__(self, inp: GenerateInput, arrival: int):
         self.rid = inp.rid
@@ -65,6 +65,7 @@ class Req:
         longest = max((len(s) for s in self.params.stop), default=0)
         self.stop_tail_tokens = longest + 2    # a token is at least one character
         self.arrival = arrival
+        self.matcher = None                    # grammar matcher, when the request has a grammar
 
     @property
     def fill_ids(self) -> list[int]:

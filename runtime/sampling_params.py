@@ -1,8 +1,8 @@
 """Per-request sampling parameters (SGLang protocol names and semantics).
 
 `temperature == 0` (or `top_k == 1`) means greedy; `top_k == -1` means no top-k cut.
-The grammar fields (`regex`, `json_schema`, `ebnf`) are only stored here; the grammar
-backend interprets them.
+The grammar fields (`regex`, `json_schema`, `ebnf`, `choices`; at most one) are turned into
+a `plait.grammar.GrammarSpec` by `grammar_spec()`; the scheduler compiles and enforces it.
 """
 from __future__ import annotations
 
@@ -60,6 +60,7 @@ class SamplingParams:
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    choices: list[str] | None = None   # plait extension: the output is exactly one of these
 
     def __post_init__(self) -> None:
         # None means "default" for every field (JSON clients send explicit nulls).
@@ -77,6 +78,11 @@ class SamplingParams:
                 setattr(self, name, list(v))  # copy: never alias the caller's list
         if isinstance(self.stop_token_ids, (list, tuple, set, frozenset)):
             self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.json_schema, (dict, bool)):   # Python callers may pass the schema itself
+            import json
+            self.json_schema = json.dumps(self.json_schema)
+        if isinstance(self.choices, tuple):
+            self.choices = list(self.choices)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None, strict: bool) -> "SamplingParams":
@@ -165,6 +171,26 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
                 raise ValueError(f"{name} must be a string or None, got {type(v).__name__}")
+        if self.choices is not None and (not isinstance(self.choices, list) or not self.choices
+                                         or not all(isinstance(c, str) and c for c in self.choices)):
+            raise ValueError("choices must be a non-empty list of non-empty strings")
+        given = [n for n in (*_OPT_STR_FIELDS, "choices") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of regex, json_schema, ebnf, choices; got {', '.join(given)}")
+
+    def grammar_spec(self):
+        """The grammar this request is constrained to (a `plait.grammar.GrammarSpec`), or None.
+        Raises `GrammarError` (a ValueError) for a spec that is not even well-formed."""
+        from plait.grammar import GrammarSpec
+        if self.json_schema is not None:
+            return GrammarSpec.from_json_schema(self.json_schema)
+        if self.regex is not None:
+            return GrammarSpec.from_regex(self.regex)
+        if self.ebnf is not None:
+            return GrammarSpec.from_ebnf(self.ebnf)
+        if self.choices is not None:
+            return GrammarSpec.from_choices(self.choices)
+        return None
 
     @property
     def greedy(self) -> bool:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 
 import torch
 
@@ -48,6 +50,9 @@ class Scheduler:
         self.sampler = Sampler()
         self.eos_ids = _eos_ids(self.runner.config, self.tokenizer)
         self.waiting: deque[Req] = deque()
+        self.grammar_queue: list[tuple[Req, Future]] = []   # waiting for their grammar to compile
+        self._grammar_cache = None                          # made on first use (imports a backend)
+        self._bitmask = None
         self.running: list[Req] = []          # decoding
         self.chunked: Req | None = None       # mid-prefill, continues next step
         self._arrivals = 0
@@ -73,8 +78,36 @@ class Scheduler:
         if min(inp.input_ids) < 0 or max(inp.input_ids) >= vocab:
             raise ValueError(f"input_ids must be token ids in [0, {vocab})")
         inp.params.validate(vocab)
+        spec = inp.params.grammar_spec()
         self._arrivals += 1
-        self.waiting.append(Req(inp, self._arrivals))
+        req = Req(inp, self._arrivals)
+        if spec is None:
+            self.waiting.append(req)
+        else:   # compiled off this thread; the batch keeps running meanwhile
+            self.grammar_queue.append((req, self._grammars().submit(spec)))
+
+    def _grammars(self):
+        if self._grammar_cache is None:
+            from plait.grammar import GrammarCache, make_backend
+            backend = make_backend(self.args.grammar_backend, self.tokenizer, self.runner.vocab_size,
+                                   eos_token_ids=sorted(self.eos_ids))
+            self._grammar_cache = GrammarCache(backend, compile_timeout_s=self.args.grammar_compile_timeout)
+        return self._grammar_cache
+
+    def _poll_grammars(self, outputs: list[TokenOutput]) -> None:
+        """Move requests whose grammar is ready to the waiting queue; fail those whose compile failed."""
+        pending = []
+        for req, fut in self.grammar_queue:
+            if not fut.done():
+                pending.append((req, fut))
+                continue
+            try:
+                req.matcher = fut.result().matcher()
+            except Exception as e:   # GrammarError, a compile timeout, a backend failure
+                outputs.append(self._finish_output(req, {"type": "abort", "message": f"invalid grammar: {e}"}, []))
+                continue
+            self.waiting.append(req)
+        self.grammar_queue = pending
 
     def abort_request(self, rid: str) -> TokenOutput | None:
         """Drop a request wherever it is and release its KV; None if it is unknown (or done)."""
@@ -82,6 +115,10 @@ class Scheduler:
             if req.rid == rid:
                 self.waiting.remove(req)
                 return self._finish_output(req, {"type": "abort", "message": "aborted"}, [])
+        for item in self.grammar_queue:
+            if item[0].rid == rid:
+                self.grammar_queue.remove(item)
+                return self._finish_output(item[0], {"type": "abort", "message": "aborted"}, [])
         for req in self.running + ([self.chunked] if self.chunked else []):
             if req.rid == rid:
                 if req is self.chunked:
@@ -93,7 +130,7 @@ class Scheduler:
         return None
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        return bool(self.waiting or self.running or self.chunked or self.grammar_queue)
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache; only when no request holds KV."""
@@ -110,9 +147,13 @@ class Scheduler:
     def step(self) -> list[TokenOutput]:
         """Schedule and run one batch; return what each touched request produced."""
         outputs: list[TokenOutput] = []
+        if self.grammar_queue:
+            self._poll_grammars(outputs)
         decode = self._prepare_decode(outputs)
         prefill = self._schedule_prefill(outputs)
         if not decode and not prefill:
+            if self.grammar_queue and not outputs:   # only compiles pending: wait briefly, don't spin
+                wait_futures([f for _, f in self.grammar_queue], timeout=0.005, return_when=FIRST_COMPLETED)
             return outputs
         self.num_steps += 1
         batch, rows_of = self._build_batch(prefill, decode)
@@ -280,15 +321,17 @@ class Scheduler:
             return outputs
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=logits.device)
         row_logits = logits.index_select(0, rows)
+        lp_rows = [i for i, r in enumerate(to_sample) if r.return_logprob]
+        # logprobs report the model's distribution, before grammar masks and penalties
+        logprobs = torch.log_softmax(row_logits[lp_rows], dim=-1) if lp_rows else None
+        self._apply_grammar_masks(to_sample, row_logits)
         sbatch = SamplingBatch.build(
             [r.params for r in to_sample], [r.seed for r in to_sample],
             [len(r.output_ids) for r in to_sample], [r.origin_ids for r in to_sample],
             [r.output_ids for r in to_sample], sorted(self.eos_ids), self.runner.vocab_size,
             device=logits.device)
         next_ids = self.sampler(row_logits, sbatch).tolist()
-        lp_rows = [i for i, r in enumerate(to_sample) if r.return_logprob]
-        logprobs = torch.log_softmax(row_logits[lp_rows], dim=-1) if lp_rows else None
-        still_running = [r for r in self.running if r not in set(decode)]
+        still_running: list[Req] = []          # every running request was in `decode`
         for i, (req, tok) in enumerate(zip(to_sample, next_ids)):
             req.output_ids.append(tok)
             self.num_generated_tokens += 1
@@ -301,7 +344,10 @@ class Scheduler:
                     out.output_top_logprobs = [_top(row, req.top_logprobs_num)]
             if id(req) in input_lp:
                 self._attach_input_logprobs(req, out)
-            reason = self._check_finish(req, tok)
+            if req.matcher is not None and not req.matcher.accept(tok):
+                reason = {"type": "abort", "message": f"internal error: the grammar rejected sampled token {tok}"}
+            else:
+                reason = self._check_finish(req, tok)
             if reason is not None:
                 out.finish_reason = reason
                 self._release(req)
@@ -310,6 +356,23 @@ class Scheduler:
             outputs.append(out)
         self.running = sorted(still_running, key=lambda r: r.arrival)
         return outputs
+
+    def _apply_grammar_masks(self, reqs: list[Req], row_logits: torch.Tensor) -> None:
+        """-inf on every token the grammar of each constrained row disallows (one packed bitmask)."""
+        idx = [i for i, r in enumerate(reqs) if r.matcher is not None]
+        if not idx:
+            return
+        from plait.grammar import allocate_token_bitmask, apply_token_bitmask_
+        if self._bitmask is None or self._bitmask.shape[0] < len(idx):
+            self._bitmask = allocate_token_bitmask(max(len(idx), self.args.max_running_requests),
+                                                   self.runner.vocab_size)
+        mask = self._bitmask[:len(idx)]
+        for j, i in enumerate(idx):
+            reqs[i].matcher.fill_mask(mask, j)
+        rows = torch.tensor(idx, dtype=torch.int64, device=row_logits.device)
+        sub = row_logits.index_select(0, rows)
+        apply_token_bitmask_(sub, mask.to(sub.device))
+        row_logits.index_copy_(0, rows, sub)
 
     # --- logprobs --------------------------------------------------------------------------
     def _collect_input_logprobs(self, req: Req, start: int, logits: torch.Tensor) -> None:
@@ -341,6 +404,9 @@ class Scheduler:
         if n >= p.min_new_tokens:
             if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
                 return {"type": "stop", "matched": tok}
+            if req.matcher is not None and req.matcher.is_finished():
+                # the structure is complete and only EOS could follow
+                return {"type": "stop", "matched": tok if tok in self.eos_ids else None}
             if p.stop:
                 tail = self.tokenizer.decode(req.output_ids[-req.stop_tail_tokens:],
                                              skip_special_tokens=p.skip_special_tokens)

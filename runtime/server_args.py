@@ -20,6 +20,8 @@ class ServerArgs:
     num_threads: int | None = None           # torch intra-op threads; default: all cores
     random_seed: int | None = None
     revision: str | None = None
+    grammar_backend: str = "xgrammar"        # xgrammar | outlines | llguidance
+    grammar_compile_timeout: float = 30.0    # seconds; a slower compile fails that request
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
@@ -30,6 +32,8 @@ class ServerArgs:
         for name in ("max_running_requests", "chunked_prefill_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.grammar_backend not in ("xgrammar", "outlines", "llguidance"):
+            raise ValueError(f"grammar_backend must be xgrammar, outlines or llguidance, got {self.grammar_backend!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError(f"max_total_tokens must be >= 2, got {self.max_total_tokens}")
 

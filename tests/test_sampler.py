@@ -413,4 +413,14 @@ def test_validate_accepts_valid_edges():
     assert SP(temperature=0).greedy and SP(top_k=1).greedy and not SP().greedy
     SP(top_p=1, min_p=1, top_k=-1, frequency_penalty=-2, presence_penalty=2,
        repetition_penalty=0.1, max_new_tokens=0, min_new_tokens=0, seed=-5).validate()
-    SP(temperature=1, top_k=50, n=3, stop=["a"], regex="a+", json_schema="{}").validate()
+    SP(temperature=1, top_k=50, n=3, stop=["a"], regex="a+").validate()
+
+
+def test_at_most_one_grammar_field():
+    with pytest.raises(ValueError, match="at most one"):
+        SP(regex="a+", json_schema="{}").validate()
+    with pytest.raises(ValueError, match="choices"):
+        SP(choices=[]).validate()
+    assert SP(json_schema={"type": "integer"}).json_schema == '{"type": "integer"}'
+    assert SP(choices=["x", "y"]).grammar_spec().kind == "choice"
+    assert SP().grammar_spec() is None

@@ -1,0 +1,154 @@
+"""The llguidance backend (optional extra): Earley parser over a lazily built lexer; compiles JSON
+schemas, regexes (Rust syntax), Lark and GBNF grammars almost instantly."""
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from .base import Grammar, GrammarBackend, GrammarError, GrammarSpec, Matcher, decode_forced
+from .bitmask import bitmask_width, set_token_bits
+from .tokenizer_info import TokenizerInfo
+
+try:
+    import llguidance
+    import llguidance.hf
+    from llguidance import LLMatcher
+except ImportError as e:  # pragma: no cover - exercised only without the package
+    raise ImportError("the llguidance grammar backend needs the `llguidance` package "
+                      "(pip install 'plait[llguidance]' or pip install llguidance)") from e
+
+JSON_OPTIONS = {
+    "default": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
+    "compact": {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"},
+    "any": {"whitespace_flexible": True},
+}
+
+
+class LLGuidanceBackend(GrammarBackend):
+    name = "llguidance"
+
+    def __init__(self, info: TokenizerInfo, *, json_whitespace: str = "default") -> None:
+        if json_whitespace not in JSON_OPTIONS:
+            raise ValueError(f"json_whitespace must be one of {tuple(JSON_OPTIONS)}, got {json_whitespace!r}")
+        self.info = info
+        self.json_whitespace = json_whitespace
+        self.tokenizer = info.backend_state("llguidance.tokenizer", lambda: llguidance.hf.from_tokenizer(
+            info.tokenizer, n_vocab=info.vocab_size, eos_token=list(info.eos_token_ids)))
+        self.width = bitmask_width(info.vocab_size)
+        eos_row = torch.zeros(1, self.width, dtype=torch.int32)
+        set_token_bits(eos_row, 0, info.eos_token_ids)
+        self.eos_row = eos_row
+
+    @property
+    def cache_key(self) -> tuple:
+        return (self.name, self.json_whitespace)
+
+    def _grammar_text(self, spec: GrammarSpec) -> str:
+        try:
+            if spec.kind == "json_schema":
+                spec.schema()
+                return LLMatcher.grammar_from_json_schema(spec.spec, overrides=JSON_OPTIONS[self.json_whitespace])
+            if spec.kind == "json_object":
+                return LLMatcher.grammar_from_json_schema('{"type": "object"}',
+                                                          overrides=JSON_OPTIONS[self.json_whitespace])
+            if spec.kind == "regex":
+                return LLMatcher.grammar_from_regex(spec.spec)
+            if spec.kind == "ebnf":
+                return llguidance.grammar_from("gbnf", spec.spec)
+            if spec.kind == "choice":
+                alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choices())
+                return LLMatcher.grammar_from_lark(f"start: {alts}")
+        except GrammarError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise GrammarError(f"llguidance: invalid {spec.kind}: {e}") from None
+        raise GrammarError(f"llguidance: unsupported grammar kind {spec.kind!r}")  # pragma: no cover
+
+    def compile(self, spec: GrammarSpec, *, timeout_s: float | None = None) -> Grammar:
+        t0 = time.perf_counter()
+        text = self._grammar_text(spec)
+        template = LLMatcher(self.tokenizer, text, log_level=0)
+        if template.is_error():
+            raise GrammarError(f"llguidance: invalid {spec.kind}: {template.get_error()}")
+        g = LLGuidanceGrammar(self, spec, text, template)
+        g.compile_time_s = time.perf_counter() - t0
+        return g
+
+
+class LLGuidanceGrammar(Grammar):
+    backend_name = "llguidance"
+
+    def __init__(self, backend: LLGuidanceBackend, spec: GrammarSpec, text: str, template) -> None:
+        self.backend = backend
+        self.spec = spec
+        self.text = text
+        self.template = template
+        self.eos_set = frozenset(backend.info.eos_token_ids)
+        self.vocab_size = backend.info.vocab_size
+
+    def matcher(self) -> "LLGuidanceMatcher":
+        return LLGuidanceMatcher(self, self.template.deep_copy())
+
+
+class LLGuidanceMatcher(Matcher):
+    __slots__ = ("_g", "_m", "_n", "_terminated")
+
+    def __init__(self, grammar: LLGuidanceGrammar, m) -> None:
+        self._g = grammar
+        self._m = m
+        self._n = 0
+        self._terminated = False
+
+    @property
+    def num_accepted(self) -> int:
+        return self._n
+
+    def accept(self, token_id: int) -> bool:
+        if self._terminated or not 0 <= token_id < self._g.vocab_size:
+            return False
+        if token_id in self._g.eos_set:
+            # EOS is kept out of llguidance's matcher (rolling it back there loses the
+            # accepting state): it only marks this matcher finished
+            if not self._m.is_accepting():
+                return False
+            self._terminated = True
+            self._n += 1
+            return True
+        if self._m.try_consume_tokens([token_id]) != 1:
+            return False
+        self._n += 1
+        return True
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        b = self._g.backend
+        if self._terminated:
+            bitmask[row].copy_(b.eos_row[0])
+            return
+        r = bitmask[row]
+        if r.shape[0] != b.width or r.dtype != torch.int32 or r.device.type != "cpu" or not r.is_contiguous():
+            raise ValueError(f"bitmask row must be contiguous int32 [{b.width}] on CPU, got "
+                             f"{r.dtype} {tuple(r.shape)} on {r.device}")
+        self._m.unsafe_compute_mask_ptr(r.data_ptr(), b.width * 4)
+
+    def can_end(self) -> bool:
+        return self._terminated or self._m.is_accepting()
+
+    def is_finished(self) -> bool:
+        return self._terminated or self._m.is_stopped()
+
+    def rollback(self, n: int) -> None:
+        if n < 0 or n > self._n:
+            raise ValueError(f"cannot roll back {n} tokens: {self._n} accepted")
+        if n:
+            k = n - 1 if self._terminated else n
+            if k and not self._m.rollback(k):
+                raise RuntimeError(f"llguidance: rollback failed: {self._m.get_error()}")
+            self._n -= n
+            self._terminated = False
+
+    def forced_text(self) -> str:
+        if self._terminated:
+            return ""
+        return decode_forced(self._m.compute_ff_bytes())
