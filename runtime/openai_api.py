@@ -3,8 +3,20 @@
 Requests are translated into engine calls (sampling params in the native protocol's names) and
 results into OpenAI's shapes. finish reasons map `{"type": "stop"}` -> "stop" and
 `{"type": "length"}` -> "length"; an abort is an error. Extensions accepted as in SGLang: top_k,
-min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, regex, ebnf, json_schema,
-no_stop_trim, skip_special_tokens.
+min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, no_stop_trim,
+skip_special_tokens.
+
+Structured output: `response_format` (text / json_object / json_schema) and the extra body fields
+`regex`, `ebnf`, `json_schema`, `choice` (vLLM's `guided_*` names too), at most one per request,
+become the engine's grammar; a grammar that does not compile is a 400 "invalid grammar: ...".
+
+Tool calling (chat): `tools` are rendered into the prompt by the chat template when it knows tools,
+else by a Hermes-style system block (`<tools>` ... `<tool_call>{"name", "arguments"}</tool_call>`).
+`tool_choice` "auto" (the default with tools) lets the model answer or call: its output is parsed
+for `<tool_call>` blocks or a bare `{"name", "arguments"}` JSON; "required" constrains the output
+to a call of one of the tools (an array of calls with `parallel_tool_calls: true`); a named
+function constrains it to that function's arguments; "none" offers no tools. Calls come back as
+`message.tool_calls` with finish_reason "tool_calls".
 """
 from __future__ import annotations
 
@@ -31,9 +43,57 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 # OpenAI-side name -> sampling parameter, for the extensions passed through.
 EXTRA_PARAMS = {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
                 "min_tokens": "min_new_tokens", "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
-                "regex": "regex", "ebnf": "ebnf", "json_schema": "json_schema", "no_stop_trim": "no_stop_trim",
-                "skip_special_tokens": "skip_special_tokens",
+                "no_stop_trim": "no_stop_trim", "skip_special_tokens": "skip_special_tokens",
                 "spaces_between_special_tokens": "spaces_between_special_tokens"}
+# Grammar constraints in the body (SGLang's names, `choice`, and vLLM's guided_* names) -> the
+# sampling parameter; at most one per request, counting response_format and a forced tool call.
+CONSTRAINT_FIELDS = {"regex": "regex", "ebnf": "ebnf", "json_schema": "json_schema", "choice": "choices",
+                     "guided_regex": "regex", "guided_grammar": "ebnf", "guided_json": "json_schema",
+                     "guided_choice": "choices"}
+GRAMMAR_PARAMS = ("regex", "ebnf", "json_schema", "choices")
+TOOL_CHOICES = ("none", "auto", "required")
+TOOL_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+# The tools block for chat templates that do not render tools themselves (Qwen2.5's wording, so
+# the call format is the common Hermes one that parse_tool_calls reads back).
+TOOLS_SYSTEM_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+@dataclasses.dataclass
+class ToolPlan:
+    """The tools of a chat request and what the model may do with them."""
+    tools: list[dict[str, Any]]             # [{"type": "function", "function": {name, description?, parameters}}]
+    choice: str                             # "none" | "auto" | "required" | "named"
+    named: str | None = None                # the function of a named tool_choice
+    parallel: bool = False                  # "required": an array of one or more calls
+
+    @property
+    def names(self) -> list[str]:
+        return [t["function"]["name"] for t in self.tools]
+
+    def parameters(self, name: str) -> dict[str, Any]:
+        for t in self.tools:
+            if t["function"]["name"] == name:
+                return t["function"]["parameters"]
+        raise KeyError(name)
+
+    @property
+    def constrained(self) -> bool:
+        """The output is forced to be a call (a grammar), not parsed out of free text."""
+        return self.choice in ("required", "named")
 
 
 @dataclasses.dataclass
@@ -47,6 +107,7 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool
     rid: str                                # also the response id
+    tools: ToolPlan | None = None           # chat with tools the model may call (not "none")
 
     @property
     def object(self) -> str:
@@ -77,8 +138,8 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1 and best_of != body.get("n", 1):
         raise ApiError(400, "best_of is not supported")
-    if (body.get("tools") and body.get("tool_choice") != "none") or body.get("functions"):
-        raise ApiError(400, "tools / function calling are not supported")
+    if body.get("functions") or body.get("function_call"):
+        raise ApiError(400, "the legacy functions / function_call fields are not supported; use tools / tool_choice")
 
 
 def _response_format(body: dict[str, Any]) -> str | None:
@@ -93,11 +154,70 @@ def _response_format(body: dict[str, Any]) -> str | None:
         return json.dumps({"type": "object"})
     if kind == "json_schema":
         spec = fmt.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(spec, dict):
+            raise ApiError(400, "response_format.json_schema must be an object with name and schema")
+        schema = spec.get("schema")
         if not isinstance(schema, dict):
             raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object")
+        _check_schema(schema, "response_format.json_schema.schema")
         return json.dumps(schema)
     raise ApiError(400, "response_format.type must be 'text', 'json_object' or 'json_schema'")
+
+
+def _check_schema(schema: Any, where: str) -> None:
+    """400 for a JSON schema that is not even well-formed (checked with jsonschema's metaschema
+    where that package is installed; the grammar compiler reports the rest)."""
+    if not isinstance(schema, (dict, bool)):
+        raise ApiError(400, f"{where} must be a JSON schema object, got {type(schema).__name__}")
+    try:
+        from jsonschema import exceptions, validators
+    except ImportError:   # not a runtime dependency
+        return
+    try:
+        validators.validator_for(schema).check_schema(schema)
+    except exceptions.SchemaError as e:
+        raise ApiError(400, f"{where} is not a valid JSON schema: {e.message}") from None
+
+
+def _constraint_value(name: str, param: str, value: Any) -> Any:
+    """Type-check one grammar field of the body; a json_schema may be a string or the schema."""
+    if param in ("regex", "ebnf"):
+        if not isinstance(value, str) or not value:
+            raise ApiError(400, f"{name} must be a non-empty string")
+        return value
+    if param == "choices":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+            raise ApiError(400, f"{name} must be a non-empty list of non-empty strings")
+        return list(value)
+    if isinstance(value, (dict, bool)):
+        schema = value
+    elif isinstance(value, str):
+        try:
+            schema = json.loads(value)
+        except ValueError as e:
+            raise ApiError(400, f"{name} is not valid JSON: {e}") from None
+    else:
+        raise ApiError(400, f"{name} must be a JSON schema (an object or its JSON text)")
+    _check_schema(schema, name)
+    return json.dumps(schema)
+
+
+def _constraints(body: dict[str, Any], plan: ToolPlan | None) -> dict[str, Any]:
+    """The grammar sampling parameter of the request ({} for none); 400 for more than one."""
+    found: list[tuple[str, str, Any]] = []
+    schema = _response_format(body)
+    if schema is not None:
+        found.append(("response_format", "json_schema", schema))
+    for name, param in CONSTRAINT_FIELDS.items():
+        if body.get(name) is not None:
+            found.append((name, param, _constraint_value(name, param, body[name])))
+    if plan is not None and plan.constrained:
+        label = "tool_choice 'required'" if plan.choice == "required" else "a named tool_choice"
+        found.append((label, "json_schema", json.dumps(tool_call_schema(plan))))
+    if len(found) > 1:
+        raise ApiError(400, "give at most one output constraint (response_format, regex, ebnf, json_schema, "
+                       f"choice, a forced tool call); got {', '.join(f[0] for f in found)}")
+    return {found[0][1]: found[0][2]} if found else {}
 
 
 def _max_tokens(body: dict[str, Any], chat: bool) -> int | None:
@@ -111,7 +231,7 @@ def _max_tokens(body: dict[str, Any], chat: bool) -> int | None:
     return None
 
 
-def _sampling(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+def _sampling(body: dict[str, Any], chat: bool, plan: ToolPlan | None = None) -> dict[str, Any]:
     """The sampling params shared by all prompts (max_new_tokens is set per prompt later)."""
     sp = {"temperature": body.get("temperature"), "top_p": body.get("top_p"), "n": body.get("n"),
           "stop": body.get("stop"), "seed": body.get("seed"),
@@ -119,9 +239,7 @@ def _sampling(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     for name, target in EXTRA_PARAMS.items():
         if body.get(name) is not None:
             sp[target] = body[name]
-    schema = _response_format(body)
-    if schema is not None:
-        sp["json_schema"] = schema
+    sp.update(_constraints(body, plan))
     return {k: v for k, v in sp.items() if v is not None}
 
 
@@ -169,35 +287,362 @@ def _content_text(content: Any, i: int) -> str:
     raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts")
 
 
-def render_chat(tokenizer: Any, messages: Any) -> list[int]:
+# --- tools ------------------------------------------------------------------------------------
+def parse_tools(body: dict[str, Any]) -> ToolPlan | None:
+    """`tools` / `tool_choice` / `parallel_tool_calls` of a chat body (None: no tools offered);
+    400 for malformed tools or a tool_choice naming an unknown function."""
+    raw, choice = body.get("tools"), body.get("tool_choice")
+    if raw is not None and not isinstance(raw, list):
+        raise ApiError(400, "tools must be a list of {\"type\": \"function\", \"function\": {...}} objects")
+    tools = [_parse_tool(t, i) for i, t in enumerate(raw or [])]
+    names = [t["function"]["name"] for t in tools]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ApiError(400, f"tools: function names must be unique, repeated: {', '.join(dup)}")
+    named = None
+    if choice is None:
+        choice = "auto" if tools else "none"
+    elif isinstance(choice, dict):
+        fn = choice.get("function")
+        named = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(named, str):
+            raise ApiError(400, "tool_choice must be 'none', 'auto', 'required' or "
+                           "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+        if named not in names:
+            raise ApiError(400, f"tool_choice names the function {named!r}, which is not in tools"
+                           + (f" ({', '.join(names)})" if names else ""))
+        choice = "named"
+    elif choice not in TOOL_CHOICES:
+        raise ApiError(400, f"tool_choice must be 'none', 'auto', 'required' or a function, got {choice!r}")
+    if choice == "required" and not tools:
+        raise ApiError(400, "tool_choice 'required' needs tools")
+    parallel = _field(body, "parallel_tool_calls", _is_bool, "a bool", None)
+    if choice == "none" or not tools:
+        return None
+    return ToolPlan(tools, choice, named, parallel is True)
+
+
+def _parse_tool(tool: Any, i: int) -> dict[str, Any]:
+    where = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+        raise ApiError(400, f"{where} must be an object with type 'function'")
+    fn = tool.get("function")
+    if not isinstance(fn, dict):
+        raise ApiError(400, f"{where}.function must be an object with a name")
+    name = fn.get("name")
+    if not isinstance(name, str) or not 0 < len(name) <= 64 or not set(name) <= TOOL_NAME_CHARS:
+        raise ApiError(400, f"{where}.function.name must be 1-64 characters of a-z, A-Z, 0-9, _ or -, got {name!r}")
+    desc = fn.get("description")
+    if desc is not None and not isinstance(desc, str):
+        raise ApiError(400, f"{where}.function.description must be a string")
+    params = fn.get("parameters")
+    if params is None:
+        params = dict(EMPTY_PARAMETERS)
+    if not isinstance(params, dict):
+        raise ApiError(400, f"{where}.function.parameters must be a JSON schema object")
+    _check_schema(params, f"{where}.function.parameters")
+    out = {"name": name, **({"description": desc} if desc else {}), "parameters": params}
+    return {"type": "function", "function": out}
+
+
+def tool_call_schema(plan: ToolPlan) -> dict[str, Any]:
+    """The JSON schema a forced call is generated under: a named function's arguments; for
+    "required" a `{"name", "arguments"}` object of any of the tools (an array of them when
+    parallel calls are on). Each tool's `$defs` move to the root (renamed per tool) and its local
+    `$ref`s are rewritten, so references keep pointing where they did."""
+    if plan.choice == "named":
+        return plan.parameters(plan.named)
+    root = "#/items/anyOf" if plan.parallel else "#/anyOf"
+    defs: dict[str, Any] = {}
+    alts = []
+    for i, name in enumerate(plan.names):
+        args = _relocate(plan.parameters(name), f"{root}/{i}/properties/arguments", f"{name}__", defs)
+        alts.append({"type": "object", "properties": {"name": {"const": name}, "arguments": args},
+                     "required": ["name", "arguments"], "additionalProperties": False})
+    schema: dict[str, Any] = {"anyOf": alts}
+    if plan.parallel:
+        schema = {"type": "array", "items": schema, "minItems": 1}
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _relocate(schema: dict[str, Any], base: str, prefix: str, defs: dict[str, Any]) -> dict[str, Any]:
+    def ref(r: str) -> str:
+        for head in ("#/$defs/", "#/definitions/"):
+            if r.startswith(head):
+                return "#/$defs/" + prefix + r[len(head):]
+        return base + r[1:] if r.startswith("#") else r
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: (ref(x) if k == "$ref" and isinstance(x, str) else walk(x)) for k, x in v.items()}
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        return v
+
+    out = {k: v for k, v in schema.items() if k not in ("$defs", "definitions", "$schema", "$id")}
+    for key in ("$defs", "definitions"):
+        for name, sub in (schema.get(key) or {}).items():
+            defs[prefix + name] = walk(sub)
+    return walk(out)
+
+
+def _template_source(tokenizer: Any) -> str:
+    tpl = getattr(tokenizer, "chat_template", None)
+    if isinstance(tpl, dict):   # named templates ("default", "tool_use", ...)
+        return "\n".join(t for t in tpl.values() if isinstance(t, str))
+    return tpl if isinstance(tpl, str) else ""
+
+
+def _history_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls` -> [{"id", "name", "arguments" (parsed when JSON)}]."""
+    if not isinstance(calls, list):
+        raise ApiError(400, f"messages[{i}].tool_calls must be a list")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or c.get("type", "function") != "function":
+            raise ApiError(400, f"messages[{i}].tool_calls[{j}] must be {{\"type\": \"function\", \"id\", "
+                           "\"function\": {\"name\", \"arguments\"}}")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                pass   # kept as the string the client sent
+        elif not isinstance(args, dict):
+            raise ApiError(400, f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON string")
+        cid = c.get("id")
+        if cid is not None and not isinstance(cid, str):
+            raise ApiError(400, f"messages[{i}].tool_calls[{j}].id must be a string")
+        out.append({"id": cid, "name": fn["name"], "arguments": args})
+    return out
+
+
+def _call_text(name: str, args: Any) -> str:
+    return f"{TOOL_OPEN}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n{TOOL_CLOSE}"
+
+
+def render_chat(tokenizer: Any, messages: Any, tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Messages -> prompt token ids through the tokenizer's chat template, with the generation
-    prompt appended. The template supplies the special tokens, so none are added again."""
+    prompt appended. The template supplies the special tokens, so none are added again.
+
+    `tools`, assistant `tool_calls` and `tool` results go through the template when it knows them
+    (its source mentions tools / tool_calls); otherwise tools become a Hermes-style system block,
+    calls `<tool_call>` text in the assistant's content and results `<tool_response>` user turns."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list")
-    conv = []
+    source = _template_source(tokenizer)
+    native_tools, native_calls = "tools" in source, "tool_calls" in source
+    conv: list[dict[str, Any]] = []
+    call_names: dict[str, str] = {}   # tool_call_id -> function name, for the tool results
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ApiError(400, f"messages[{i}] must be an object")
         role = m.get("role")
         if role not in CHAT_ROLES:
             raise ApiError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
-        conv.append({"role": "system" if role == "developer" else role, "content": _content_text(m.get("content"), i)})
+        content = _content_text(m.get("content"), i)
+        if role == "assistant" and m.get("tool_calls"):
+            calls = _history_calls(m["tool_calls"], i)
+            call_names.update({c["id"]: c["name"] for c in calls if c["id"]})
+            if native_calls:
+                conv.append({"role": "assistant", "content": content, "tool_calls": [
+                    {**({"id": c["id"]} if c["id"] else {}), "type": "function",
+                     "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]})
+            else:
+                text = "\n".join([content] * bool(content) + [_call_text(c["name"], c["arguments"]) for c in calls])
+                conv.append({"role": "assistant", "content": text})
+        elif role == "tool":
+            tcid = m.get("tool_call_id")
+            if tcid is not None and not isinstance(tcid, str):
+                raise ApiError(400, f"messages[{i}].tool_call_id must be a string")
+            name = m.get("name") if isinstance(m.get("name"), str) else call_names.get(tcid or "")
+            if native_calls:
+                conv.append({"role": "tool", "content": content, **({"tool_call_id": tcid} if tcid else {}),
+                             **({"name": name} if name else {})})
+            else:   # consecutive results share one user turn, as Qwen's template does
+                block = f"<tool_response>\n{content}\n</tool_response>"
+                if conv and conv[-1].get("_results"):
+                    conv[-1]["content"] += "\n" + block
+                else:
+                    conv.append({"role": "user", "content": block, "_results": True})
+        else:
+            conv.append({"role": "system" if role == "developer" else role, "content": content})
+    for c in conv:
+        c.pop("_results", None)
+    kwargs: dict[str, Any] = {}
+    if tools:
+        if native_tools:
+            kwargs["tools"] = tools
+        else:
+            block = TOOLS_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+            if conv[0]["role"] == "system":
+                conv[0] = {**conv[0], "content": (conv[0]["content"] + "\n\n" + block).lstrip()}
+            else:
+                conv.insert(0, {"role": "system", "content": block})
     try:
-        text = tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False, **kwargs)
     except Exception as e:   # jinja errors (e.g. roles out of order) are the caller's to fix
         raise ApiError(400, f"messages could not be rendered with the chat template: {e}") from None
     return tokenizer(text, add_special_tokens=False).input_ids
+
+
+# --- reading tool calls back ------------------------------------------------------------------
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def _call_from(obj: Any, names: list[str]) -> dict[str, str] | None:
+    """{"name", "arguments" (JSON text)} from a parsed call object, or None if it is not a call of
+    one of `names` ("parameters" is accepted for "arguments", as Llama 3 writes it)."""
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}
+
+
+def _calls_in_json(text: str, names: list[str]) -> list[dict[str, str]] | None:
+    """The call(s) in a JSON value at the start of `text` (trailing text is ignored); None unless
+    every element is a call of a known tool."""
+    try:
+        value, _ = json.JSONDecoder().raw_decode(text.strip())
+    except ValueError:
+        return None
+    items = value if isinstance(value, list) else [value]
+    calls = [_call_from(v, names) for v in items]
+    return calls if calls and all(calls) else None   # type: ignore[return-value]
+
+
+def parse_tool_calls(text: str, names: list[str]) -> tuple[str | None, list[dict[str, str]]]:
+    """A free-text answer -> (content, calls): `<tool_call>{...}</tool_call>` blocks (the content
+    is the text before the first), or the whole text being a call object / a list of them. No
+    calls found (or a malformed one): (text, [])."""
+    start = text.find(TOOL_OPEN)
+    if start >= 0:
+        calls = []
+        for block in text[start:].split(TOOL_OPEN)[1:]:
+            found = _calls_in_json(block.split(TOOL_CLOSE, 1)[0], names)
+            if found is None:
+                return text, []
+            calls += found
+        return (text[:start].strip() or None), calls
+    if text.lstrip().startswith(("{", "[")):
+        found = _calls_in_json(text, names)
+        if found:
+            return None, found
+    return text, []
+
+
+def forced_calls(plan: ToolPlan, text: str) -> list[dict[str, str]] | None:
+    """The call(s) of a grammar-constrained answer; None when it is not complete JSON (cut by
+    max_tokens)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if plan.choice == "named":
+        if not isinstance(value, dict):
+            return None
+        return [{"name": plan.named, "arguments": text.strip()}]   # as streamed
+    return _calls_in_json(text, plan.names)
+
+
+def tool_call_objects(calls: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """OpenAI `message.tool_calls`."""
+    return [{"id": new_call_id(), "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in calls]
+
+
+class ToolStream:
+    """Streaming of one choice's tool calls: content deltas as long as the text cannot be a call,
+    then the calls when the choice ends. Auto mode holds back a possible start of `<tool_call>`
+    (and a leading JSON value, which may be a bare call); a named function streams its arguments
+    as they come; "required" sends the calls once complete."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.emitted = 0            # characters of the text already sent (as content or arguments)
+        self.calls_at: int | None = None   # where call syntax starts in the text (held from there)
+        self.call_id = new_call_id()
+
+    def update(self, text: str) -> list[dict[str, Any]]:
+        """Deltas for the cumulative text so far (the choice is not finished)."""
+        if self.plan.choice == "named":
+            return self._named(text)
+        if self.plan.choice == "required" or self.calls_at is not None:
+            return []
+        found = text.find(TOOL_OPEN, self.emitted)
+        if found >= 0:
+            self.calls_at = found
+            return self._content(text, found)
+        stripped = text.lstrip()
+        if self.emitted == 0 and (not stripped or stripped.startswith(("{", "["))):
+            if stripped:
+                self.calls_at = len(text) - len(stripped)
+            return []
+        hold = next((k for k in range(len(TOOL_OPEN) - 1, 0, -1) if text.endswith(TOOL_OPEN[:k])), 0)
+        return self._content(text, len(text) - hold)
+
+    def finish(self, text: str, reason: str) -> tuple[list[dict[str, Any]], str]:
+        """The last deltas and the finish reason (made "tool_calls" when there are calls)."""
+        if self.plan.choice == "named":
+            deltas = self._named(text)
+            return deltas, ("tool_calls" if reason == "stop" else reason)
+        if self.plan.choice == "required":
+            calls = forced_calls(self.plan, text) if reason == "stop" else None
+            if calls is None:
+                return self._content(text, len(text)), reason
+            return self._calls(calls), "tool_calls"
+        if self.calls_at is not None:
+            content, calls = parse_tool_calls(text[self.calls_at:], self.plan.names)
+            if calls:
+                return self._calls(calls), "tool_calls"
+        return self._content(text, len(text)), reason
+
+    def _content(self, text: str, upto: int) -> list[dict[str, Any]]:
+        piece = text[self.emitted:upto]
+        self.emitted = max(self.emitted, upto)
+        return [{"content": piece}] if piece else []
+
+    def _named(self, text: str) -> list[dict[str, Any]]:
+        piece = text[self.emitted:]
+        if not piece:
+            return []
+        call: dict[str, Any] = {"index": 0, "function": {"arguments": piece}}
+        if self.emitted == 0:
+            call = {"index": 0, "id": self.call_id, "type": "function",
+                    "function": {"name": self.plan.named, "arguments": piece}}
+        self.emitted = len(text)
+        return [{"tool_calls": [call]}]
+
+    @staticmethod
+    def _calls(calls: list[dict[str, str]]) -> list[dict[str, Any]]:
+        return [{"tool_calls": [{"index": k, **obj}]} for k, obj in enumerate(tool_call_objects(calls))]
 
 
 def parse_openai(state: ServerState, body: dict[str, Any], chat: bool) -> OpenAIRequest:
     """Validate and translate a completions (chat=False) or chat completions body."""
     state.check_model(body)
     _reject_unsupported(body)
+    plan = None
     if chat:
-        prompts: list[str | list[int]] = [render_chat(state.engine.tokenizer, body.get("messages"))]
+        plan = parse_tools(body)
+        prompts: list[str | list[int]] = [render_chat(state.engine.tokenizer, body.get("messages"),
+                                                      plan.tools if plan else None)]
     else:
+        if (body.get("tools") and body.get("tool_choice") != "none") or body.get("tool_choice") not in (None, "none"):
+            raise ApiError(400, "tools are supported on /v1/chat/completions only")
         prompts = _completion_prompts(body)
-    base = _sampling(body, chat)
+    base = _sampling(body, chat, plan)
     max_tokens = _max_tokens(body, chat)
     params = [{**base, "max_new_tokens": _default_max(state, p, max_tokens, chat)} for p in prompts]
     n = _field(body, "n", is_int, "an int", 1)
@@ -207,7 +652,7 @@ def parse_openai(state: ServerState, body: dict[str, Any], chat: bool) -> OpenAI
     opts = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
     include_usage = bool(stream and opts.get("include_usage"))
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    return OpenAIRequest(chat, prompts, params, n, _logprobs(body, chat), stream, include_usage, rid)
+    return OpenAIRequest(chat, prompts, params, n, _logprobs(body, chat), stream, include_usage, rid, plan)
 
 
 def _default_max(state: ServerState, prompt: str | list[int], max_tokens: int | None, chat: bool) -> int:
@@ -270,11 +715,29 @@ def completion_logprobs(entries: list[tuple[str, float, list]], offset: int, k: 
             "text_offset": offsets}
 
 
+def _message(req: OpenAIRequest, text: str, reason: str) -> tuple[dict[str, Any], str]:
+    """The assistant message of a finished chat choice and its finish reason (tool calls read
+    out of the text when the request has tools)."""
+    plan = req.tools
+    content: str | None = text
+    calls: list[dict[str, str]] | None = None
+    if plan is not None and plan.constrained:
+        calls = forced_calls(plan, text) if reason == "stop" else None
+        if calls:
+            content = None
+    elif plan is not None:
+        content, calls = parse_tool_calls(text, plan.names)
+    if not calls:
+        return {"role": "assistant", "content": text}, reason
+    return {"role": "assistant", "content": content, "tool_calls": tool_call_objects(calls)}, "tool_calls"
+
+
 def _choice(req: OpenAIRequest, index: int, result: dict[str, Any]) -> dict[str, Any]:
     reason = finish_reason(result)
     entries = _token_logprobs(result, 0, visible_tokens(result)) if req.logprobs is not None else None
     if req.chat:
-        return {"index": index, "message": {"role": "assistant", "content": result["text"]},
+        message, reason = _message(req, result["text"], reason)
+        return {"index": index, "message": message,
                 "logprobs": chat_logprobs(entries) if entries is not None else None, "finish_reason": reason}
     return {"index": index, "text": result["text"], "finish_reason": reason,
             "logprobs": completion_logprobs(entries, 0, req.logprobs) if entries is not None else None}
@@ -324,6 +787,7 @@ class StreamShaper:
         self.tokens: dict[int, int] = {}
         self.prompt_tokens: dict[int, int] = {}     # per prompt
         self.completion_tokens = 0
+        self.tool_streams: dict[int, ToolStream] = {}
 
     def _chunk(self, index: int, delta: dict[str, Any] | str, logprobs: Any, reason: str | None) -> dict:
         choice: dict[str, Any] = {"index": index}
@@ -354,7 +818,17 @@ class StreamShaper:
             if entries:
                 logprobs = chat_logprobs(entries) if self.req.chat else \
                     completion_logprobs(entries, prev_len, self.req.logprobs)
-        if delta or logprobs:
+        if self.req.chat and self.req.tools is not None:
+            ts = self.tool_streams.setdefault(index, ToolStream(self.req.tools))
+            if reason:
+                deltas, reason = ts.finish(text, reason)
+            else:
+                deltas = ts.update(text)
+            if not deltas and logprobs:
+                deltas = [{}]
+            for k, d in enumerate(deltas):
+                chunks.append(self._chunk(index, d, logprobs if k == 0 else None, None))
+        elif delta or logprobs:
             chunks.append(self._chunk(index, {"content": delta} if self.req.chat else delta, logprobs, None))
         self.text_len[index], self.tokens[index] = max(prev_len, len(text)), max(prev_tokens, upto)
         if reason:
@@ -415,24 +889,48 @@ async def _open_streams(state: ServerState, req: OpenAIRequest, rids: list[str])
     return streams
 
 
-async def _stream(state: ServerState, req: OpenAIRequest) -> Response:
+def _constrained(req: OpenAIRequest) -> bool:
+    return any(p.get(k) is not None for p in req.params for k in GRAMMAR_PARAMS)
+
+
+async def _stream(state: ServerState, request: Request, req: OpenAIRequest) -> Response:
     rids = [f"{req.rid}-{k}" for k in range(len(req.prompts) * req.n)]
     hold = state.admit(rids, {req.rid: rids})   # the response id aborts every choice
+    merged = None
+    first: tuple[int, dict] | None = None
     try:
         streams = await _open_streams(state, req, rids)
+        merged = merge_streams(streams)
+        if _constrained(req):
+            # a grammar that does not compile ends the request before its first token: wait for
+            # the first result, so that is a plain 400 rather than an error event
+            try:
+                first = await state.watch(request, merged.__anext__())
+            except StopAsyncIteration:
+                raise ApiError(500, "the engine ended the stream without a result") from None
+            state.check_result(first[1])
     except BaseException:
+        if merged is not None:
+            await merged.aclose()
         hold.close()
         raise
-    return EventStream(_events(state, req, hold, rids, streams), hold)
+    return EventStream(_events(state, req, hold, rids, merged, first), hold)
+
+
+async def _with_first(first: tuple[int, dict] | None,
+                      rest: AsyncIterator[tuple[int, dict]]) -> AsyncIterator[tuple[int, dict]]:
+    if first is not None:
+        yield first
+    async for item in rest:
+        yield item
 
 
 async def _events(state: ServerState, req: OpenAIRequest, hold: Hold, rids: list[str],
-                  streams: list[AsyncIterator[dict]]) -> AsyncIterator[str]:
+                  merged: AsyncIterator[tuple[int, dict]], first: tuple[int, dict] | None) -> AsyncIterator[str]:
     shaper = StreamShaper(req, state)
     timers = [StreamTimer(state.metrics, hold.start) for _ in rids]
-    merged = merge_streams(streams)
     try:
-        async for idx, result in merged:
+        async for idx, result in _with_first(first, merged):
             timers[idx].update(result)
             for chunk in shaper.update(idx, result):
                 yield sse(chunk)
@@ -457,7 +955,7 @@ async def handle_openai(state: ServerState, request: Request, chat: bool) -> Res
     """POST /v1/completions (chat=False) and /v1/chat/completions (chat=True)."""
     req = parse_openai(state, await read_json(request), chat)
     if req.stream:
-        return await _stream(state, req)
+        return await _stream(state, request, req)
     return await _complete(state, request, req)
 
 

@@ -62,6 +62,8 @@ class Scheduler:
         self.num_generated_tokens = 0
         self.num_retractions = 0
         self.num_steps = 0
+        self.num_jump_forward_tokens = 0
+        self.jump_forward = not args.disable_jump_forward
 
     # --- requests in and out ---------------------------------------------------------------
     def add_request(self, inp: GenerateInput) -> None:
@@ -162,8 +164,9 @@ class Scheduler:
         return outputs
 
     def _prepare_decode(self, outputs: list[TokenOutput]) -> list[Req]:
-        """Give every running request a slot for its next token, retracting requests if needed."""
-        while self.running and not self._make_room(len(self.running)):
+        """Give every running request slots for its uncomputed tokens — one, or more after a
+        jump-forward — retracting requests if memory is short. Multi-token ones come first."""
+        while self.running and not self._make_room(sum(len(r.fill_ids) - r.kv_len for r in self.running)):
             if len(self.running) == 1 and not self.chunked and not self.waiting:
                 req = self.running.pop()
                 self._release(req)
@@ -172,10 +175,13 @@ class Scheduler:
             self._retract(max(self.running, key=lambda r: r.arrival))
         if not self.running:
             return []
-        slots = self.allocator.alloc(len(self.running))
-        for req, slot in zip(self.running, slots.tolist()):
-            self.table.table[req.row, req.kv_len] = slot
-        return list(self.running)
+        need = [len(r.fill_ids) - r.kv_len for r in self.running]
+        slots = self.allocator.alloc(sum(need))
+        start = 0
+        for req, n in zip(self.running, need):
+            self.table.table[req.row, req.kv_len:req.kv_len + n] = slots[start:start + n]
+            start += n
+        return sorted(self.running, key=lambda r: len(r.fill_ids) - r.kv_len == 1)
 
     def _schedule_prefill(self, outputs: list[TokenOutput]) -> list[tuple[Req, int]]:
         budget = self.args.chunked_prefill_size
@@ -273,14 +279,19 @@ class Scheduler:
                 logits_index.append(pos + take - 1)
             pos += take
         for req in decode:
-            input_ids.append(req.fill_ids[-1])
+            take = len(req.fill_ids) - req.kv_len
+            input_ids += req.fill_ids[req.kv_len:]
             rows.append(req.row)
             prefix_lens.append(req.kv_len)
-            extend_lens.append(1)
-            locs.append(table[req.row, req.kv_len:req.kv_len + 1])
-            rows_of[id(req)] = (len(logits_index), 1)
-            logits_index.append(pos)
-            pos += 1
+            extend_lens.append(take)
+            locs.append(table[req.row, req.kv_len:req.kv_len + take])
+            if req.num_draft:    # every position's logits, to verify the drafts
+                rows_of[id(req)] = (len(logits_index), take)
+                logits_index += range(pos, pos + take)
+            else:
+                rows_of[id(req)] = (len(logits_index), 1)
+                logits_index.append(pos + take - 1)
+            pos += take
         batch = ForwardBatch.build(input_ids, rows, prefix_lens, extend_lens, torch.cat(locs), table,
                                    logits_index, device=self.runner.device)
         return batch, rows_of
@@ -313,11 +324,17 @@ class Scheduler:
             first, count = rows_of[id(req)]
             to_sample.append(req)
             sample_rows.append(first + count - 1)
+        still_running: list[Req] = []
         for req in decode:
-            req.kv_len += 1
+            if req.num_draft:
+                first, count = rows_of[id(req)]
+                self._finish_step(req, self._verify_drafts(req, logits[first:first + count]), outputs, still_running)
+                continue
+            req.kv_len = len(req.fill_ids)
             to_sample.append(req)
             sample_rows.append(rows_of[id(req)][0])
         if not to_sample:
+            self.running = sorted(still_running, key=lambda r: r.arrival)
             return outputs
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=logits.device)
         row_logits = logits.index_select(0, rows)
@@ -331,7 +348,6 @@ class Scheduler:
             [r.output_ids for r in to_sample], sorted(self.eos_ids), self.runner.vocab_size,
             device=logits.device)
         next_ids = self.sampler(row_logits, sbatch).tolist()
-        still_running: list[Req] = []          # every running request was in `decode`
         for i, (req, tok) in enumerate(zip(to_sample, next_ids)):
             req.output_ids.append(tok)
             self.num_generated_tokens += 1
@@ -348,25 +364,140 @@ class Scheduler:
                 reason = {"type": "abort", "message": f"internal error: the grammar rejected sampled token {tok}"}
             else:
                 reason = self._check_finish(req, tok)
-            if reason is not None:
-                out.finish_reason = reason
-                self._release(req)
-            else:
-                still_running.append(req)
-            outputs.append(out)
+                if reason is None and req.matcher is not None and self.jump_forward and not req.return_logprob:
+                    if self._exact_jump(req):
+                        self._propose_drafts(req)
+                    else:
+                        first = len(req.output_ids) - 1
+                        if self._jump_forward(req):
+                            out.new_ids = req.output_ids[first:]
+                            self.num_generated_tokens += len(out.new_ids) - 1
+                            reason = self._check_finish(req, req.output_ids[-1])
+            out.finish_reason = reason
+            self._finish_step(req, out, outputs, still_running)
         self.running = sorted(still_running, key=lambda r: r.arrival)
         return outputs
+
+    def _finish_step(self, req: Req, out: TokenOutput, outputs: list[TokenOutput], still_running: list[Req]) -> None:
+        if out.finish_reason is not None:
+            self._drop_drafts(req)
+            self._release(req)
+        else:
+            still_running.append(req)
+        outputs.append(out)
+
+    # --- jump-forward ----------------------------------------------------------------------
+    @staticmethod
+    def _exact_jump(req: Req) -> bool:
+        """Greedy requests verify forced tokens against the model, so their text is exactly what
+        decoding without jump-forward gives; sampled ones take the forced text directly."""
+        p = req.params
+        return p.greedy and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
+
+    def _propose_drafts(self, req: Req) -> None:
+        """Append the grammar's forced text as draft tokens (the matcher accepts them now; the next
+        step computes them in one pass and `_verify_drafts` keeps those the model agrees with)."""
+        forced = req.matcher.forced_text()
+        budget = req.params.max_new_tokens - len(req.output_ids) - 1   # room for the model's own next token
+        if not forced or budget <= 0:
+            return
+        for t in self.tokenizer.encode(forced, add_special_tokens=False)[:budget]:
+            if not req.matcher.accept(t):
+                break
+            req.output_ids.append(t)
+            req.num_draft += 1
+
+    def _drop_drafts(self, req: Req) -> None:
+        if req.num_draft:
+            req.matcher.rollback(req.num_draft)
+            del req.output_ids[-req.num_draft:]
+            req.num_draft = 0
+
+    def _verify_drafts(self, req: Req, rows: torch.Tensor) -> TokenOutput:
+        """Greedy verification: row i holds the logits after the last sampled token and drafts[:i].
+        Drafts are kept while they equal the masked argmax; the first disagreement (or the row after
+        the last draft) contributes the model's own token, as decoding one by one would."""
+        from plait.grammar import apply_token_bitmask_
+        end = len(req.fill_ids)                 # positions that got KV this step
+        drafts = req.output_ids[-req.num_draft:]
+        self._drop_drafts(req)
+        if self._bitmask is None:
+            self._grammar_bitmask(1)
+        mask = self._bitmask[:1]
+        blocked = sorted(self.eos_ids | set(req.params.stop_token_ids))
+        new: list[int] = []
+        reason = None
+        for i in range(len(drafts) + 1):
+            row = rows[i:i + 1].clone()
+            req.matcher.fill_mask(mask, 0)
+            apply_token_bitmask_(row, mask.to(row.device))
+            if len(req.output_ids) < req.params.min_new_tokens:
+                row[0, blocked] = float("-inf")
+            tok = int(row.argmax())
+            if not req.matcher.accept(tok):
+                reason = {"type": "abort", "message": f"internal error: the grammar rejected token {tok}"}
+                break
+            req.output_ids.append(tok)
+            new.append(tok)
+            reason = self._check_finish(req, tok)
+            if reason is not None or i == len(drafts) or tok != drafts[i]:
+                break
+        self.num_generated_tokens += len(new)
+        self.num_jump_forward_tokens += len(new) - 1
+        req.kv_len = len(req.fill_ids) - 1      # every token but the newest has KV
+        if end > req.kv_len:                    # slots of rejected drafts
+            self.allocator.free(self.table.table[req.row, req.kv_len:end].clone())
+        if reason is None:
+            self._propose_drafts(req)
+        return TokenOutput(rid=req.rid, new_ids=new, prompt_tokens=len(req.origin_ids),
+                           cached_tokens=max(req.cached_tokens, 0), finish_reason=reason)
+
+    def _jump_forward(self, req: Req) -> bool:
+        """Append the text the grammar forces next without sampling it. The just-sampled token has
+        no KV yet, so it is re-tokenized together with the forced text: the tokens are the ones the
+        tokenizer would produce for that text. True if the output changed."""
+        forced = req.matcher.forced_text()
+        budget = req.params.max_new_tokens - len(req.output_ids)
+        if not forced or budget <= 0:
+            return False
+        last = req.output_ids[-1]
+        last_text = self.tokenizer.decode([last])
+        replace = "\ufffd" not in last_text        # a partial UTF-8 byte can't be re-tokenized alone
+        ids = self.tokenizer.encode((last_text if replace else "") + forced, add_special_tokens=False)
+        if replace and ids and ids[0] == last:
+            ids, replace = ids[1:], False
+        if replace:
+            req.matcher.rollback(1)
+            budget += 1
+        accepted = []
+        for t in ids[:budget]:
+            if not req.matcher.accept(t):
+                break
+            accepted.append(t)
+        if replace and not accepted:             # keep what was sampled
+            req.matcher.accept(last)
+            return False
+        if replace:
+            req.output_ids[-1:] = accepted
+        else:
+            req.output_ids += accepted
+        self.num_jump_forward_tokens += len(accepted)
+        return bool(accepted) or replace
+
+    def _grammar_bitmask(self, rows: int) -> torch.Tensor:
+        """A packed bitmask of at least `rows` rows, allocated once and reused every step."""
+        if self._bitmask is None or self._bitmask.shape[0] < rows:
+            from plait.grammar import allocate_token_bitmask
+            self._bitmask = allocate_token_bitmask(max(rows, self.args.max_running_requests), self.runner.vocab_size)
+        return self._bitmask[:rows]
 
     def _apply_grammar_masks(self, reqs: list[Req], row_logits: torch.Tensor) -> None:
         """-inf on every token the grammar of each constrained row disallows (one packed bitmask)."""
         idx = [i for i, r in enumerate(reqs) if r.matcher is not None]
         if not idx:
             return
-        from plait.grammar import allocate_token_bitmask, apply_token_bitmask_
-        if self._bitmask is None or self._bitmask.shape[0] < len(idx):
-            self._bitmask = allocate_token_bitmask(max(len(idx), self.args.max_running_requests),
-                                                   self.runner.vocab_size)
-        mask = self._bitmask[:len(idx)]
+        from plait.grammar import apply_token_bitmask_
+        mask = self._grammar_bitmask(len(idx))
         for j, i in enumerate(idx):
             reqs[i].matcher.fill_mask(mask, j)
         rows = torch.tensor(idx, dtype=torch.int64, device=row_logits.device)
@@ -449,6 +580,7 @@ class Scheduler:
         """Send a running request back to the queue; its tokens are kept and recomputed later
         (from the cache, when its prefix survives)."""
         self.running.remove(req)
+        self._drop_drafts(req)                  # their slots go with the rest of its KV
         self._release(req)
         self.waiting.appendleft(req)
         self.num_retractions += 1

@@ -106,7 +106,7 @@ class SchedulerWorker:
             return s.kv_slots_in_use()
         if method == "get_server_info":
             return {"num_prompt_tokens": s.num_prompt_tokens, "num_cached_tokens": s.num_cached_tokens,
-                    "num_generated_tokens": s.num_generated_tokens, "num_retractions": s.num_retractions,
+                    "num_generated_tokens": s.num_generated_tokens, "num_retractions": s.num_retractions, "num_jump_forward_tokens": s.num_jump_forward_tokens,
                     "max_total_num_tokens": s.num_slots, "cache_size": s.cache.total_size(),
                     "free_slots": s.allocator.available(), "context_length": s.context_len,
                     "num_running": len(s.running), "num_waiting": len(s.waiting)}

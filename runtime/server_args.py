@@ -22,6 +22,7 @@ class ServerArgs:
     revision: str | None = None
     grammar_backend: str = "xgrammar"        # xgrammar | outlines | llguidance
     grammar_compile_timeout: float = 30.0    # seconds; a slower compile fails that request
+    disable_jump_forward: bool = False       # jump-forward: append grammar-forced text without sampling
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
