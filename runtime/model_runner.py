@@ -61,6 +61,8 @@ class ModelRunner:
         self.model = model_cls(self.config, max_positions=self.context_len)
         self.model.load_weights(load_weights(self.model_path))
         self.model.to(device=self.device, dtype=self.dtype).eval()
+        if self.device.type == "cpu" and not args.disable_weight_prepack:
+            self.model.prepack_for_cpu()
         # RoPE tables stay float32 for accuracy; they are cast per step.
         self.model.rope_cos = self.model.rope_cos.float()
         self.model.rope_sin = self.model.rope_sin.float()

@@ -138,7 +138,7 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1 and best_of != body.get("n", 1):
         raise ApiError(400, "best_of is not supported")
-    if body.get("functions") or body.get("function_call"):
+    if body.get("functions"):
         raise ApiError(400, "the legacy functions / function_call fields are not supported; use tools / tool_choice")
 
 

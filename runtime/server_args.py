@@ -17,6 +17,7 @@ class ServerArgs:
     chunked_prefill_size: int = 1024         # token budget for prefill per step
     schedule_policy: str = "lpm"             # lpm (longest prefix match first) | fcfs
     disable_radix_cache: bool = False
+    disable_weight_prepack: bool = False     # CPU: keep plain F.linear instead of oneDNN-prepacked weights
     num_threads: int | None = None           # torch intra-op threads; default: all cores
     random_seed: int | None = None
     revision: str | None = None

@@ -127,6 +127,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.packed_lm_head = None
         head_dim = self.layers[0].self_attn.head_dim
         cos, sin = rope_cos_sin(config, head_dim, max_positions or config.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -143,7 +144,20 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, batch, backend)
         x = self.norm(x.index_select(0, batch.logits_index))
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(x).float()
         return F.linear(x, self.lm_head_weight()).float()
+
+    def prepack_for_cpu(self) -> bool:
+        """Reorder every projection (and the LM head, also when tied) for oneDNN; CPU only."""
+        from ..prepack import PackedLinear, prepack_available, prepack_linears
+        if not prepack_available() or self.embed_tokens.weight.device.type != "cpu":
+            return False
+        self.packed_lm_head = PackedLinear(self.lm_head_weight(), None)
+        if not self.tie_word_embeddings:
+            del self.lm_head
+        prepack_linears(self)
+        return True
 
     # --- weights -------------------------------------------------------------------------------
     _STACKED = (  # (our param, HF name piece, shard index)

@@ -1,0 +1,317 @@
+"""Structured output and tool calling on the OpenAI-compatible API: the official `openai` client
+against a real server on loopback over the real default model (SmolLM2-135M-Instruct), plus the
+tool-call parsing and schema helpers on their own."""
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import socket
+import threading
+import time
+
+import jsonschema
+import openai
+import pytest
+import uvicorn
+
+import plait
+from plait.runtime.http_server import create_app
+from plait.runtime.openai_api import ToolPlan, ToolStream, parse_tool_calls, parse_tools, tool_call_schema
+
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object",
+                   "properties": {"city": {"type": "string", "maxLength": 12},
+                                  "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers",
+    "parameters": {"type": "object",
+                   "properties": {"a": {"type": "integer", "minimum": -1000, "maximum": 1000},
+                                  "b": {"$ref": "#/$defs/small"}},
+                   "required": ["a", "b"], "additionalProperties": False,
+                   "$defs": {"small": {"type": "integer", "minimum": 0, "maximum": 99}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The current time in a time zone",
+    "parameters": {"type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET", "JST"]}},
+                   "required": ["tz"], "additionalProperties": False}}}
+TOOLS = [WEATHER, ADD, TIME]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+# --- helpers (no model) -----------------------------------------------------------------------
+def test_parse_tool_calls_formats():
+    names = ["add", "get_weather"]
+    assert parse_tool_calls("just text", names) == ("just text", [])
+    content, calls = parse_tool_calls('Sure. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n'
+                                      '</tool_call>\n<tool_call>{"name": "get_weather", "arguments": '
+                                      '{"city": "Oslo"}}</tool_call>', names)
+    assert content == "Sure." and [c["name"] for c in calls] == ["add", "get_weather"]
+    assert json.loads(calls[0]["arguments"]) == {"a": 1, "b": 2}
+    assert parse_tool_calls(' {"name": "add", "arguments": {"a": 3}}', names)[1][0]["arguments"] == '{"a": 3}'
+    assert parse_tool_calls('[{"name": "add", "parameters": {}}]', names) == (None, [{"name": "add", "arguments": "{}"}])
+    # unknown function, malformed or cut-off calls stay text
+    for text in ('{"name": "rm", "arguments": {}}', '<tool_call>{"name": "add", "argu', '{"a": 1}'):
+        assert parse_tool_calls(text, names) == (text, [])
+
+
+def test_tool_stream_holds_back_call_syntax():
+    plan = ToolPlan(TOOLS, "auto")
+    stream, text, deltas = ToolStream(plan), "", []
+    for piece in ["Let me", " check <", "tool_", 'call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>']:
+        text += piece
+        deltas += stream.update(text)
+    assert "".join(d["content"] for d in deltas) == "Let me check "
+    last, reason = stream.finish(text, "stop")
+    assert reason == "tool_calls" and last[0]["tool_calls"][0]["function"]["name"] == "get_time"
+    plain = ToolStream(plan)
+    assert plain.update("a <") == [{"content": "a "}] and plain.finish("a <b", "stop") == ([{"content": "<b"}], "stop")
+
+
+def test_required_schema_accepts_exactly_the_calls():
+    schema = tool_call_schema(parse_tools({"tools": TOOLS, "tool_choice": "required"}))
+    jsonschema.validate({"name": "add", "arguments": {"a": 1, "b": 2}}, schema)
+    for bad in ({"name": "add", "arguments": {"a": 1, "b": 200}}, {"name": "nope", "arguments": {}},
+                {"name": "get_time", "arguments": {"tz": "UTC"}, "extra": 1}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    parallel = tool_call_schema(parse_tools({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": True}))
+    jsonschema.validate([{"name": "get_time", "arguments": {"tz": "JST"}}], parallel)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([], parallel)
+
+
+NATIVE_TEMPLATE = (
+    "{% if tools %}TOOLS:{{ tools | map(attribute='function') | map(attribute='name') | join(',') }}\n{% endif %}"
+    "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}[{{ c.id }} {{ c.function.name }} {{ c.function.arguments.city }}]{% endfor %}"
+    "{% if m.tool_call_id %}<{{ m.tool_call_id }} {{ m.name }}>{% endif %}{{ '\\n' }}{% endfor %}")
+HISTORY = [*ASK_WEATHER,
+           {"role": "assistant", "content": None, "tool_calls": [
+               {"id": "call_abc", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+           {"role": "tool", "tool_call_id": "call_abc", "content": '{"temperature": 21, "sky": "sunny"}'}]
+
+
+def test_render_tools_with_and_without_template_support(smollm2_path):
+    from transformers import AutoTokenizer
+
+    from plait.runtime.openai_api import render_chat
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    # SmolLM2's template knows no tools: a system block, calls as <tool_call> text, results as a user turn
+    text = tok.decode(render_chat(tok, HISTORY, TOOLS))
+    assert text.startswith("<|im_start|>system\n# Tools") and '"name": "add"' in text
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+            '"unit": "celsius"}}\n</tool_call><|im_end|>') in text
+    assert '<|im_start|>user\n<tool_response>\n{"temperature": 21, "sky": "sunny"}\n</tool_response>' in text
+    # a template that renders tools gets them, the calls (arguments parsed) and the results natively
+    tok.chat_template = NATIVE_TEMPLATE
+    text = tok.decode(render_chat(tok, HISTORY, TOOLS))
+    assert text.splitlines() == ["TOOLS:get_weather,add,get_time", "user:What is the weather like in Paris today?",
+                                 "assistant:[call_abc get_weather Paris]",
+                                 'tool:{"temperature": 21, "sky": "sunny"}<call_abc get_weather>']
+
+
+# --- server -----------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(app):
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def oai():
+    with plait.Engine(model="smollm2", dtype="float32", max_total_tokens=8192, random_seed=0) as engine:
+        with serve(create_app(engine, served_model_name="smollm2")) as url:
+            yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def chat(oai, messages=ASK_WEATHER, **kw):
+    return oai.chat.completions.create(model="smollm2", messages=messages, **kw)
+
+
+def bad_request(fn, *words: str) -> str:
+    with pytest.raises(openai.BadRequestError) as e:
+        fn()
+    assert e.value.status_code == 400
+    message = e.value.body["message"] if isinstance(e.value.body, dict) else str(e.value)
+    for w in words:
+        assert w in message, message
+    return message
+
+
+def assert_call(call, names=PARAMS) -> None:
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name in names
+    jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+
+
+# --- structured output ------------------------------------------------------------------------
+@pytest.mark.integration
+def test_response_format_json_schema(oai):
+    out = chat(oai, [{"role": "user", "content": "Describe a person as JSON with name, age and city."}],
+               response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                                        "strict": True}},
+               temperature=1.0, seed=7, n=2, max_tokens=120)
+    assert len(out.choices) == 2
+    for c in out.choices:
+        assert c.finish_reason == "stop", c
+        jsonschema.validate(json.loads(c.message.content), PERSON)
+
+
+@pytest.mark.integration
+def test_response_format_json_object(oai):
+    out = chat(oai, [{"role": "user", "content": "Give me a JSON object with a field 'answer' set to 42."}],
+               response_format={"type": "json_object"}, temperature=0, max_tokens=120)
+    assert out.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+@pytest.mark.integration
+def test_regex_and_choice(oai):
+    pattern = r"[0-9]{3}-[a-z]{2,5}"
+    out = oai.completions.create(model="smollm2", prompt="A product code:", max_tokens=16, temperature=1.0,
+                                 seed=3, extra_body={"regex": pattern})
+    assert re.fullmatch(pattern, out.choices[0].text), out.choices[0].text
+    options = ["yes", "no", "maybe"]
+    out = chat(oai, [{"role": "user", "content": "Is Paris in France?"}], temperature=1.0, seed=1, n=2,
+               max_tokens=8, extra_body={"choice": options})
+    assert all(c.message.content in options for c in out.choices)
+
+
+@pytest.mark.integration
+def test_stream_response_format(oai):
+    stream = chat(oai, [{"role": "user", "content": "Describe a person as JSON."}], stream=True,
+                  response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+                  temperature=1.0, seed=11, max_tokens=120)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+# --- tools ------------------------------------------------------------------------------------
+@pytest.mark.integration
+def test_tool_choice_required(oai):
+    out = chat(oai, tools=TOOLS, tool_choice="required", temperature=1.0, seed=5, n=2, max_tokens=120)
+    for c in out.choices:
+        assert c.finish_reason == "tool_calls", c
+        assert c.message.content is None and len(c.message.tool_calls) == 1
+        assert_call(c.message.tool_calls[0])
+
+
+@pytest.mark.integration
+def test_tool_choice_named(oai):
+    out = chat(oai, [{"role": "user", "content": "What is 2 plus 3?"}], tools=TOOLS, temperature=1.0, seed=2,
+               tool_choice={"type": "function", "function": {"name": "add"}}, max_tokens=60)
+    c = out.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    assert [t.function.name for t in c.message.tool_calls] == ["add"]
+    assert_call(c.message.tool_calls[0])
+
+
+@pytest.mark.integration
+def test_tool_choice_auto(oai):
+    out = chat(oai, tools=TOOLS, tool_choice="auto", temperature=0, max_tokens=40)
+    msg = out.choices[0].message
+    if msg.tool_calls:
+        assert out.choices[0].finish_reason == "tool_calls"
+        for call in msg.tool_calls:
+            assert call.function.name in PARAMS
+            json.loads(call.function.arguments)
+    else:
+        assert isinstance(msg.content, str) and out.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.integration
+def test_stream_tool_calls(oai):
+    def reassemble(stream):
+        calls: dict[int, dict] = {}
+        reasons = []
+        for chunk in stream:
+            for c in chunk.choices:
+                reasons.append(c.finish_reason)
+                assert not c.delta.content
+                for d in c.delta.tool_calls or []:
+                    call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                    call["id"] = call["id"] or d.id
+                    call["name"] += (d.function.name or "") if d.function else ""
+                    call["arguments"] += (d.function.arguments or "") if d.function else ""
+        assert reasons[-1] == "tool_calls"
+        return list(calls.values())
+
+    named = reassemble(chat(oai, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                            stream=True, temperature=1.0, seed=4, max_tokens=100))
+    required = reassemble(chat(oai, tools=TOOLS, tool_choice="required", stream=True, temperature=1.0, seed=9,
+                               max_tokens=120))
+    assert [c["name"] for c in named] == ["get_weather"] and len(required) == 1
+    for call in named + required:
+        assert call["id"].startswith("call_")
+        jsonschema.validate(json.loads(call["arguments"]), PARAMS[call["name"]])
+
+
+@pytest.mark.integration
+def test_tool_history_accepted(oai):
+    messages = HISTORY
+    out = chat(oai, messages, tools=TOOLS, temperature=0, max_tokens=12)
+    assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # and without tools offered this turn
+    out = chat(oai, messages, temperature=0, max_tokens=4)
+    assert isinstance(out.choices[0].message.content, str)
+
+
+# --- errors -----------------------------------------------------------------------------------
+@pytest.mark.integration
+def test_errors(oai):
+    bad_request(lambda: chat(oai, max_tokens=4, extra_body={"regex": "(unclosed"}), "invalid grammar")
+    bad_request(lambda: list(chat(oai, max_tokens=4, stream=True, extra_body={"regex": "[z-a]"})), "invalid grammar")
+    bad_request(lambda: oai.completions.create(model="smollm2", prompt="x", max_tokens=4,
+                                               extra_body={"ebnf": "root ::= nothing_defined"}), "invalid grammar")
+    bad_request(lambda: chat(oai, max_tokens=4, extra_body={"json_schema": "{not json"}), "json_schema")
+    bad_request(lambda: chat(oai, max_tokens=4, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 12}}}), "schema")
+    bad_request(lambda: chat(oai, max_tokens=4, response_format={"type": "yaml"}), "response_format")
+    bad_request(lambda: chat(oai, max_tokens=4, response_format={"type": "json_object"},
+                             extra_body={"regex": "a+"}), "response_format", "regex")
+    bad_request(lambda: chat(oai, max_tokens=4, extra_body={"regex": "a+", "choice": ["a"]}), "at most one")
+    bad_request(lambda: chat(oai, max_tokens=4, tools=TOOLS, tool_choice="required",
+                             response_format={"type": "json_object"}), "at most one")
+    bad_request(lambda: chat(oai, max_tokens=4, tools=TOOLS,
+                             tool_choice={"type": "function", "function": {"name": "launch"}}), "launch")
+    bad_request(lambda: chat(oai, max_tokens=4, tool_choice="required"), "tools")
+    bad_request(lambda: chat(oai, max_tokens=4, tools=[{"type": "function", "function": {"name": "bad name!"}}]),
+                "name")
+    bad_request(lambda: chat(oai, max_tokens=4, tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": 3}}}]), "parameters")
+    bad_request(lambda: chat(oai, max_tokens=4, tools=[WEATHER, WEATHER]), "unique")
+    bad_request(lambda: chat(oai, max_tokens=4, tool_choice="sometimes", tools=TOOLS), "tool_choice")
+    bad_request(lambda: chat(oai, [{"role": "assistant", "tool_calls": [{"type": "function", "function": {}}]}],
+                             max_tokens=4), "tool_calls")
+    bad_request(lambda: oai.completions.create(model="smollm2", prompt="x", max_tokens=4,
+                                               extra_body={"tools": TOOLS}), "chat/completions")
+    # the server is still fine
+    assert chat(oai, max_tokens=2, temperature=0).choices[0].finish_reason in ("stop", "length")
