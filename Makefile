@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.plait-setup
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup run test bench clean
+.PHONY: setup run example test bench clean
 
 setup: $(STAMP)
 
@@ -23,14 +23,18 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "from plait.runtime.model_loader import resolve_model; print('default model:', resolve_model('smollm2'))"
 	touch $(STAMP)
 
+# The main job: serve the default model (SGLang-native and OpenAI APIs) on 127.0.0.1:30000.
 run: setup
+	$(VENV)/bin/plait serve --model smollm2 --host 127.0.0.1 --port 30000
+
+example: setup
 	$(PY) examples/quickstart_engine.py
 
 test: setup
 	$(PY) -m pytest -q tests
 
 bench: setup
-	$(PY) -m plait.cli bench offline
+	$(VENV)/bin/plait bench offline
 
 clean:
 	rm -rf $(VENV) build *.egg-info
