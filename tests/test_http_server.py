@@ -303,13 +303,20 @@ def test_concurrent_streams(url, engine):
 
     async def main() -> list:
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-            return await asyncio.gather(*(one(client, i) for i in range(24)))
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
 
-    for events in asyncio.run(main()):
+    results = asyncio.run(main())
+    for events in results:
         assert events[-1] == "[DONE]"
         last = events[-2]
         assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
         assert len(last["output_ids"]) == 12
+        texts = [e["text"] for e in events[:-1]]
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))   # cumulative
+    for i in (0, 37, 63):   # each stream got exactly what the request gets on its own
+        alone = httpx.post(url + "/generate", json={"text": f"Concurrent client number {i} says", "sampling_params": {
+            "temperature": 0, "max_new_tokens": 12, "ignore_eos": True}}, timeout=60).json()
+        assert alone["output_ids"] == results[i][-2]["output_ids"]
     wait_no_kv(engine)
 
 
