@@ -219,6 +219,11 @@ class Engine:
         return frozenset(self._info["eos_ids"])
 
     @property
+    def failure(self) -> str | None:
+        """Why the scheduler process can no longer be used (it died or failed), or None while healthy."""
+        return self._client.error
+
+    @property
     def scheduler_pid(self) -> int:
         """Process id of the scheduler (model worker) process."""
         return self._client.process.pid

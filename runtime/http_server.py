@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import socket
+import threading
 import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -706,13 +707,31 @@ def run_server(args: ServerArgs, host: str = "127.0.0.1", port: int = 30000, api
     from .engine import Engine
     sock = sock or bind_socket(host, port)
     engine = Engine(**dataclasses.asdict(args))
+    died = threading.Event()
     try:
         shown = f"[{host}]" if ":" in host else host
         app = create_app(engine, api_key, served_model_name, max_queued_requests,
                          ready_message=f"plait: ready, serving {args.model} at http://{shown}:{port}")
         config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False,
                                 timeout_graceful_shutdown=3)
-        uvicorn.Server(config).run(sockets=[sock])
+        server = uvicorn.Server(config)
+        threading.Thread(target=_watch_engine, args=(engine, server, died), name="plait-watchdog",
+                         daemon=True).start()
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
         sock.close()
+    if died.is_set():
+        raise SystemExit(1)
+
+
+def _watch_engine(engine, server, died: threading.Event, period_s: float = 0.5) -> None:
+    """A server whose scheduler process died can only fail requests: log why and stop (exit 1)
+    rather than linger half-alive."""
+    while not server.should_exit:
+        if engine.failure is not None:
+            logger.error("plait: %s; shutting the server down", engine.failure)
+            died.set()
+            server.should_exit = True
+            return
+        time.sleep(period_s)

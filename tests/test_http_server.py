@@ -495,3 +495,30 @@ def test_cli_serve_and_sigterm(tiny_model_dirs):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_exits_when_scheduler_dies(tiny_model_dirs):
+    """A dead model worker makes `plait serve` log the cause and exit non-zero, not hang."""
+    port = free_port()
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    proc = subprocess.Popen(_serve_cmd(tiny_model_dirs["llama"], port), cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.2)
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert children, "the scheduler process should be a child of the server"
+        for pid in children:
+            os.kill(int(pid), signal.SIGKILL)
+        assert proc.wait(timeout=15) != 0
+        assert "died" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
