@@ -11,7 +11,14 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "__version__"]
+# The DSL (plait.frontend), re-exported lazily like Engine.
+_FRONTEND = ("function", "gen", "gen_int", "gen_string", "select", "system", "user", "assistant",
+             "system_begin", "system_end", "user_begin", "user_end", "assistant_begin", "assistant_end",
+             "set_default_backend", "get_default_backend", "flush_cache", "get_server_info",
+             "RuntimeEndpoint", "EngineBackend", "OpenAIBackend", "BaseBackend", "BackendError",
+             "ProgramState", "ProgramError", "Function", "ChatTemplate", "get_chat_template",
+             "token_length_normalized", "greedy_token", "greedy_token_selection", "unconditional_likelihood_normalized")
+__all__ = ["Engine", "__version__", *_FRONTEND]
 
 
 def __getattr__(name: str):
@@ -19,4 +26,7 @@ def __getattr__(name: str):
     if name == "Engine":
         from plait.runtime.engine import Engine
         return Engine
+    if name in _FRONTEND:
+        from plait import frontend
+        return getattr(frontend, name)
     raise AttributeError(f"module 'plait' has no attribute {name!r}")
