@@ -3,8 +3,12 @@ models of each supported architecture, saved to disk and loaded by the real load
 real SmolLM2 tokenizer."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import socket
+import threading
+import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -69,3 +73,29 @@ def tiny_model_dirs(tmp_path_factory, smollm2_path) -> dict[str, str]:
 def assert_no_leak(engine) -> None:
     """Every KV slot is free or owned by the prefix cache once the engine is idle."""
     assert engine.kv_slots_in_use() == 0
+
+
+def free_port() -> int:
+    """A free TCP port on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(app):
+    """Run an ASGI app with uvicorn on a free loopback port in a thread; yield its base URL."""
+    import uvicorn
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -3,11 +3,9 @@ SmolLM2 tokenizer and chat template), concurrency on a fake slow backend, and in
 the real default model behind a real HTTP server (uvicorn in a thread, as in test_http_server.py)."""
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +18,7 @@ import pytest
 
 import plait
 from plait.frontend import BaseBackend, ProgramError
+from conftest import serve
 
 GREEDY = {"temperature": 0}
 
@@ -280,26 +279,6 @@ def test_default_backend_accepts_engine(tiny):
 
 
 # --- integration: the real model behind a real server -----------------------------------------------
-@contextlib.contextmanager
-def serve(app):
-    import uvicorn
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def real_url(smollm2_path):
     from plait.runtime.http_server import create_app

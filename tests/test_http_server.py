@@ -9,7 +9,6 @@ import logging
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,40 +17,16 @@ import time
 import httpx
 import openai
 import pytest
-import uvicorn
 
 import plait
 from plait.runtime.http_server import create_app
+from conftest import free_port, serve
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # --- fixtures ---------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serve(app):
-    """Run `app` with uvicorn on a free loopback port in a thread; yield its base URL."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def engine(tiny_model_dirs):
     with plait.Engine(model=tiny_model_dirs["llama"], dtype="float32", max_total_tokens=8192,

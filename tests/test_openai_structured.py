@@ -3,21 +3,17 @@ against a real server on loopback over the real default model (SmolLM2-135M-Inst
 tool-call parsing and schema helpers on their own."""
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-import socket
-import threading
-import time
 
 import jsonschema
 import openai
 import pytest
-import uvicorn
 
 import plait
 from plait.runtime.http_server import create_app
 from plait.runtime.openai_api import ToolPlan, ToolStream, parse_tool_calls, parse_tools, tool_call_schema
+from conftest import serve
 
 PERSON = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 12},
@@ -120,29 +116,6 @@ def test_render_tools_with_and_without_template_support(smollm2_path):
 
 
 # --- server -----------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serve(app):
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def oai():
     with plait.Engine(model="smollm2", dtype="float32", max_total_tokens=8192, random_seed=0) as engine:

@@ -7,45 +7,21 @@ model, so that the programs' answers can be checked for sense (a select between 
 """
 from __future__ import annotations
 
-import contextlib
 import re
-import socket
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 
 sgl = pytest.importorskip("sglang", reason="sglang frontend not installed (pip install --no-deps sglang==0.5.5)")
 
 import plait  # noqa: E402
 from plait.runtime.http_server import create_app  # noqa: E402
+from conftest import serve  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
 QA_PREFIX = ("You are a concise assistant that answers geography questions with a single word or a "
              "short phrase.\n\n")
-
-
-@contextlib.contextmanager
-def serve(app):
-    """Run `app` with uvicorn on a free loopback port in a thread; yield its base URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
