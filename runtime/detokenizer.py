@@ -1,6 +1,9 @@
 """Incremental detokenization: text grows token by token without splitting a UTF-8 character
 and without the drift that decoding single tokens gives; stop strings are trimmed and, while
-streaming, a possible stop-string prefix at the end is held back."""
+streaming, a possible stop-string prefix at the end is held back.
+
+IncrementalDetokenizer runs in the detokenizer process (`detokenizer_process.py`); the stop-string
+helpers run in the engine's process, on each request's accumulated text."""
 from __future__ import annotations
 
 class IncrementalDetokenizer:

@@ -1,12 +1,12 @@
 """`plait.Engine`: the runtime as a Python object — tokenize, schedule, detokenize — without HTTP.
 
 The scheduler (the model worker) runs in its own process, reached over ZeroMQ (see
-`scheduler_client.py`); tokenization and detokenization stay in the caller's process. Callers
-submit requests and receive result objects shaped as in the native protocol
-(`shared/protocol.md`), whole, streamed, or awaited.
-
-Not yet split out: the architecture page's separate detokenizer process. Detokenization (and
-stop-string trimming) runs here, in the consumer of each request's results.
+`scheduler_client.py`); its token ids pass through a detokenizer process
+(`detokenizer_process.py`), which adds each output's new text, on their way back here.
+Tokenization stays in the caller's process, and so do stop-string trimming and the streaming
+hold-back, which work on each request's accumulated text. Callers submit requests and receive
+result objects shaped as in the native protocol (`shared/protocol.md`), whole, streamed, or
+awaited.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import uuid
 import weakref
 from typing import Any, AsyncIterator, Callable, Iterator
 
-from .detokenizer import IncrementalDetokenizer, stop_holdback, trim_stop
+from .detokenizer import stop_holdback, trim_stop
 from .model_loader import load_config, load_tokenizer, resolve_model
 from .request import GenerateInput, TokenOutput
 from .sampling_params import SamplingParams
@@ -33,15 +33,15 @@ logger = logging.getLogger(__name__)
 
 
 class RequestState:
-    """Consumer-side state of one request: detokenized text, logprobs, meta info."""
+    """Consumer-side state of one request: its text (accumulated from the detokenizer process's
+    deltas), logprobs, meta info."""
 
     def __init__(self, rid: str, params: SamplingParams, tokenizer, return_text_in_logprobs: bool):
         self.rid = rid
         self.params = params
         self.tokenizer = tokenizer
         self.with_text = return_text_in_logprobs
-        self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens,
-                                            params.spaces_between_special_tokens)
+        self.full_text = ""   # detokenized, before stop trimming and hold-back
         self.output_ids: list[int] = []
         self.finish_reason: dict | None = None
         self.prompt_tokens = 0
@@ -57,11 +57,7 @@ class RequestState:
         self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
         self.output_ids += out.new_ids
         reason = out.finish_reason
-        new = out.new_ids
-        # EOS / stop-token ids are counted but never shown as text.
-        if reason is not None and isinstance(reason.get("matched"), int) and new and new[-1] == reason["matched"]:
-            new = new[:-1]
-        self.detok.add(new, final=reason is not None)
+        self.full_text += out.text_delta   # EOS / stop-token ids are already left out of it
         for key in ("input_logprobs", "input_top_logprobs", "output_logprobs", "output_top_logprobs"):
             val = getattr(out, key)
             if val is not None:
@@ -69,7 +65,7 @@ class RequestState:
         self.finish_reason = reason
 
     def text(self, streaming: bool = False) -> str:
-        text = self.detok.text
+        text = self.full_text
         stops = self.params.stop
         if not stops:
             return text
@@ -220,7 +216,8 @@ class Engine:
 
     @property
     def failure(self) -> str | None:
-        """Why the scheduler process can no longer be used (it died or failed), or None while healthy."""
+        """Why the engine's processes can no longer be used (the scheduler or the detokenizer died
+        or failed), or None while healthy."""
         return self._client.error
 
     @property
@@ -229,12 +226,17 @@ class Engine:
         return self._client.process.pid
 
     @property
+    def detokenizer_pid(self) -> int:
+        """Process id of the detokenizer process."""
+        return self._client.detokenizer.pid
+
+    @property
     def ipc_dir(self) -> str:
         """The private directory holding the ZeroMQ sockets (removed at shutdown)."""
         return self._client.ipc_dir
 
     def shutdown(self) -> None:
-        """Stop the scheduler process; pending requests end with reason `abort`."""
+        """Stop the scheduler and detokenizer processes; pending requests end with reason `abort`."""
         self._stopped = True
         self._finalizer()
 

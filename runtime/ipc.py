@@ -1,4 +1,5 @@
-"""ZeroMQ plumbing between the engine (server) process and the scheduler process.
+"""ZeroMQ plumbing between the engine (server) process, the scheduler process and the
+detokenizer process: engine -> scheduler -> detokenizer -> engine.
 
 Sockets live in a private 0700 temp dir as `ipc://` paths. Every message is a msgspec Struct
 of a tagged union, encoded with msgpack: typed, versionable, and never pickle (a peer that can
@@ -20,9 +21,12 @@ import zmq
 
 from .request import GenerateInput, TokenOutput
 
-# Where the scheduler receives (GenerateInput, AbortReq, ...) and where it sends results.
+# Where the scheduler receives (GenerateInput, AbortReq, ...) and where it sends results (the
+# detokenizer binds SCHEDULER_OUT; the engine also connects to it, to send Shutdown), and where
+# the detokenizer sends everything on to the engine.
 SCHEDULER_IN = "scheduler_in"
 SCHEDULER_OUT = "scheduler_out"
+DETOKENIZER_OUT = "detokenizer_out"
 # sun_path is 108 bytes on Linux; leave room for the socket name.
 _MAX_DIR_LEN = 90
 
@@ -62,15 +66,20 @@ class Ready(msgspec.Struct, tag=True):
 
 
 class Fatal(msgspec.Struct, tag=True):
-    """The scheduler cannot go on (or could not start). `kind` is `value` for bad input
-    (raised as ValueError by the engine) and `runtime` for anything else."""
+    """The scheduler (or the detokenizer: `process`) cannot go on (or could not start). `kind` is
+    `value` for bad input (raised as ValueError by the engine) and `runtime` for anything else."""
     message: str
     kind: str = "runtime"
     traceback: str = ""
+    process: str = "scheduler"
 
 
 ToScheduler = Union[GenerateInput, AbortReq, RpcReq, Shutdown]
 FromScheduler = Union[TokenOutputBatch, RpcReply, Ready, Fatal]
+# The detokenizer receives what the scheduler sends, and Shutdown from the engine; it sends the
+# engine the same messages as the scheduler (FromScheduler), with TokenOutput.text_delta filled.
+ToDetokenizer = Union[TokenOutputBatch, RpcReply, Ready, Fatal, Shutdown]
+FromDetokenizer = FromScheduler
 
 
 def _enc_hook(obj: Any) -> Any:

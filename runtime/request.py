@@ -29,6 +29,13 @@ class TokenOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     input_top_logprobs: list | None = None
     output_logprobs: list | None = None
     output_top_logprobs: list | None = None
+    # Detokenization options, attached by the scheduler to a request's first output only (the
+    # detokenizer process keeps them for the rest of the request); absent: the defaults (True).
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    # The new text of this output, filled in by the detokenizer process (stable: never a split
+    # UTF-8 character; a final EOS / stop-token id is not shown). Stop strings are not trimmed here.
+    text_delta: str = ""
 
 
 class Req:

@@ -1,9 +1,10 @@
-"""The engine's handle on the scheduler process: start it, send it requests and calls, and route
-what comes back to each request's sink.
+"""The engine's handle on the scheduler and detokenizer processes: start them, send the scheduler
+requests and calls, and route what comes back (through the detokenizer, which adds the text) to
+each request's sink.
 
-One background thread receives. It also watches the process: if it dies, every pending request
-finishes with an abort naming the cause, pending calls raise, and later use raises RuntimeError —
-nothing waits forever on a process that is gone.
+One background thread receives. It also watches both processes: if either dies, every pending
+request finishes with an abort naming the process and the cause, pending calls raise, and later
+use raises RuntimeError — nothing waits forever on a process that is gone.
 """
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from typing import Any, Callable
 import msgspec
 import zmq
 
-from .ipc import (SCHEDULER_IN, SCHEDULER_OUT, AbortReq, Codec, Fatal, FromScheduler, Ready, RpcReply, RpcReq,
-                  Shutdown, TokenOutputBatch, endpoint, make_ipc_dir, pull_socket, push_socket, remove_ipc_dir)
+from .detokenizer_process import run_detokenizer
+from .ipc import (DETOKENIZER_OUT, SCHEDULER_IN, SCHEDULER_OUT, AbortReq, Codec, Fatal, FromDetokenizer, Ready,
+                  RpcReply, RpcReq, Shutdown, TokenOutputBatch, endpoint, make_ipc_dir, pull_socket, push_socket,
+                  remove_ipc_dir)
 from .request import GenerateInput, TokenOutput
 from .scheduler_process import run_scheduler
 from .server_args import ServerArgs
@@ -31,7 +34,10 @@ Sink = Callable[[TokenOutput], None]
 
 # How often the receiver re-checks shutdown when nothing arrives (death wakes it at once).
 RECV_POLL_MS = 200
-# Grace periods when stopping the process: after Shutdown, then after SIGTERM.
+# How long, once the scheduler has exited during start-up, its Fatal may take to come through the
+# detokenizer (which may itself still be loading the tokenizer).
+LATE_FATAL_S = 10.0
+# Grace periods when stopping a process: after Shutdown, then after SIGTERM.
 STOP_TIMEOUT_S = 5.0
 TERM_TIMEOUT_S = 2.0
 
@@ -42,14 +48,20 @@ _MAIN_GUARD_HINT = ("if a script creates the Engine when it is imported, put tha
 
 class SchedulerClient:
     """Starts the scheduler process (`args.model` is replaced by the resolved `model_path`, so the
-    child does not resolve or convert it again); `wait_ready()` returns its Ready info."""
+    child does not resolve or convert it again) and the detokenizer process; `wait_ready()` returns
+    the scheduler's Ready info.
+
+    Wiring: this process -> SCHEDULER_IN -> scheduler -> SCHEDULER_OUT -> detokenizer ->
+    DETOKENIZER_OUT -> this process (and this process -> SCHEDULER_OUT, for the detokenizer's
+    Shutdown)."""
 
     def __init__(self, args: ServerArgs, model_path: str):
         self.ipc_dir = make_ipc_dir()
         self._ctx = zmq.Context()
-        self._recv = pull_socket(self._ctx, endpoint(self.ipc_dir, SCHEDULER_OUT))
+        self._recv = pull_socket(self._ctx, endpoint(self.ipc_dir, DETOKENIZER_OUT))
         self._send = push_socket(self._ctx, endpoint(self.ipc_dir, SCHEDULER_IN))
-        self._codec = Codec(FromScheduler)     # encode under _lock; decode on the receiver only
+        self._send_detok = push_socket(self._ctx, endpoint(self.ipc_dir, SCHEDULER_OUT))
+        self._codec = Codec(FromDetokenizer)   # encode under _lock; decode on the receiver only
         self._lock = threading.Lock()          # guards _send, _sinks, _rpcs, error
         self._sinks: dict[str, Sink] = {}
         # Aborts that arrived before their request was submitted (a client racing its own
@@ -58,19 +70,27 @@ class SchedulerClient:
         self._recently_done: dict[str, None] = {}   # so aborting a finished rid is not "early"
         self._rpcs: dict[int, Future] = {}
         self._ids = itertools.count()
-        self.error: str | None = None          # set once the scheduler can no longer be used
+        self.error: str | None = None          # set once the processes can no longer be used
         self._closed = False
         self._thread: threading.Thread | None = None
         child_args = dataclasses.replace(args, model=model_path)
-        # daemon: multiprocessing terminates it at interpreter exit even if nobody shuts down.
-        self.process = mp.get_context("spawn").Process(
+        spawn = mp.get_context("spawn")
+        # daemon: multiprocessing terminates them at interpreter exit even if nobody shuts down.
+        self.process = spawn.Process(
             target=run_scheduler, args=(child_args, self.ipc_dir, os.getpid()), name="plait-scheduler",
             daemon=True)
+        self.detokenizer = spawn.Process(
+            target=run_detokenizer, args=(model_path, self.ipc_dir, os.getpid(), args.log_level),
+            name="plait-detokenizer", daemon=True)
         try:
             self.process.start()
+            self.detokenizer.start()
         except BaseException:
             self.close()
             raise
+
+    def _processes(self) -> list[tuple[str, Any]]:
+        return [("scheduler", self.process), ("detokenizer", self.detokenizer)]
 
     # --- start-up ------------------------------------------------------------------------------
     def wait_ready(self) -> dict[str, Any]:
@@ -78,7 +98,8 @@ class SchedulerClient:
         as an unusable device, RuntimeError otherwise) if it fails or exits first."""
         poller = zmq.Poller()
         poller.register(self._recv, zmq.POLLIN)
-        poller.register(self.process.sentinel, zmq.POLLIN)
+        for _, proc in self._processes():
+            poller.register(proc.sentinel, zmq.POLLIN)
         try:
             while True:
                 events = dict(poller.poll(RECV_POLL_MS))
@@ -90,15 +111,20 @@ class SchedulerClient:
                     if isinstance(msg, Fatal):
                         if msg.kind == "value":
                             raise ValueError(msg.message)
-                        raise RuntimeError(f"the scheduler process failed to start: {msg.message}\n"
+                        raise RuntimeError(f"the {msg.process} process failed to start: {msg.message}\n"
                                            f"{msg.traceback}")
-                elif not self.process.is_alive():
-                    # A Fatal sent just before exiting may still be on its way.
-                    if self._recv.poll(500):
+                    continue
+                for name, proc in self._processes():
+                    if proc.is_alive():
                         continue
-                    raise RuntimeError(f"the scheduler process exited with code {self.process.exitcode} "
-                                       f"before the model was loaded (its error output is above); "
-                                       f"{_MAIN_GUARD_HINT}")
+                    # A Fatal sent just before exiting may still be on its way (the scheduler's
+                    # through the detokenizer, which may still be loading).
+                    wait = LATE_FATAL_S if name == "scheduler" and self.detokenizer.is_alive() else 0.5
+                    if self._recv.poll(int(wait * 1000)):
+                        break
+                    what = "the model was loaded" if name == "scheduler" else "the tokenizer was loaded"
+                    raise RuntimeError(f"the {name} process exited with code {proc.exitcode} "
+                                       f"before {what} (its error output is above); {_MAIN_GUARD_HINT}")
         except BaseException:
             self.close()
             raise
@@ -151,7 +177,9 @@ class SchedulerClient:
     def _receive_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._recv, zmq.POLLIN)
-        poller.register(self.process.sentinel, zmq.POLLIN)
+        sentinels = {proc.sentinel: (name, proc) for name, proc in self._processes()}
+        for sentinel in sentinels:
+            poller.register(sentinel, zmq.POLLIN)
         cause = "the scheduler's receiver stopped"
         try:
             while not self._closed:
@@ -165,10 +193,12 @@ class SchedulerClient:
                         except zmq.Again:
                             break
                         self._dispatch(self._codec.decode(data))
-                elif self.process.sentinel in events:
-                    self.process.join(1.0)   # reap it, for the exit code
-                    cause = f"the scheduler process died unexpectedly (exit code {self.process.exitcode})"
-                    return
+                else:
+                    for sentinel, (name, proc) in sentinels.items():
+                        if sentinel in events:
+                            proc.join(1.0)   # reap it, for the exit code
+                            cause = f"the {name} process died unexpectedly (exit code {proc.exitcode})"
+                            return
         except Exception as e:  # a bug here must not leave callers waiting
             if self._closed:
                 return
@@ -198,7 +228,7 @@ class SchedulerClient:
                 else:
                     fut.set_exception(RuntimeError(msg.error))
         elif isinstance(msg, Fatal):
-            self._fail(f"the scheduler process failed: {msg.message}")
+            self._fail(f"the {msg.process} process failed: {msg.message}")
 
     def _fail(self, cause: str) -> None:
         """Mark the scheduler unusable and finish everything that waits on it."""
@@ -216,7 +246,7 @@ class SchedulerClient:
 
     # --- shutdown -----------------------------------------------------------------------------
     def close(self) -> None:
-        """Finish pending requests (abort), stop and reap the process, close the sockets and
+        """Finish pending requests (abort), stop and reap both processes, close the sockets and
         remove the socket directory. Idempotent; safe from any thread."""
         if self._closed:
             return
@@ -225,24 +255,29 @@ class SchedulerClient:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=RECV_POLL_MS / 1000 * 5)
-        proc = self.process
         serving = thread is not None
-        if proc.pid is not None:   # it was started
-            if serving:   # ask it to stop; while it loads, SIGTERM stops it at once
+        procs = [(name, proc, sock) for (name, proc), sock in zip(self._processes(), (self._send, self._send_detok))
+                 if proc.pid is not None]   # those that were started
+        if serving:   # ask both to stop at once; while they load, SIGTERM stops them at once
+            for _, proc, sock in procs:
                 try:
-                    self._send.send(self._codec.encode(Shutdown()), zmq.NOBLOCK)
+                    sock.send(self._codec.encode(Shutdown()), zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
+            for _, proc, _ in procs:
                 proc.join(STOP_TIMEOUT_S)
+        for name, proc, _ in procs:
             if proc.is_alive():
                 if serving:
-                    logger.warning("the scheduler process did not stop; terminating it")
+                    logger.warning("the %s process did not stop; terminating it", name)
                 proc.terminate()
-                proc.join(TERM_TIMEOUT_S)
+        for _, proc, _ in procs:
+            proc.join(TERM_TIMEOUT_S)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
         self._send.close(linger=0)
+        self._send_detok.close(linger=0)
         self._recv.close(linger=0)
         self._ctx.term()
         remove_ipc_dir(self.ipc_dir)

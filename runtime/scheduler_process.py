@@ -2,7 +2,8 @@
 
 Loop: drain the input socket (without blocking while there is work; with a short blocking poll
 when idle, so an idle worker sleeps instead of spinning), handle each message, run one
-`Scheduler.step()`, and send what it produced as one TokenOutputBatch. It exits on a Shutdown
+`Scheduler.step()`, and send what it produced as one TokenOutputBatch — to the detokenizer
+process, which turns ids into text and passes everything on to the engine. It exits on a Shutdown
 message, on SIGTERM, or when its parent process is gone, so no orphan outlives the engine.
 
 Started with multiprocessing's "spawn" context (a fresh interpreter: torch and its thread pools
@@ -45,6 +46,8 @@ class SchedulerWorker:
         self.scheduler = scheduler
         self.send = send
         self.live: set[str] = set()
+        # rid -> detokenization options, attached to the request's first output (then dropped)
+        self.detok_opts: dict[str, tuple[bool, bool]] = {}
         self.stopping = False
 
     def handle(self, msg: Any) -> None:
@@ -56,6 +59,7 @@ class SchedulerWorker:
                 self._emit([_abort(msg.rid, str(e))])
                 return
             self.live.add(msg.rid)
+            self.detok_opts[msg.rid] = (msg.params.skip_special_tokens, msg.params.spaces_between_special_tokens)
         elif isinstance(msg, AbortReq):
             out = self.scheduler.abort_request(msg.rid)
             if out is not None:
@@ -94,6 +98,9 @@ class SchedulerWorker:
         if not outputs:
             return
         for out in outputs:
+            opts = self.detok_opts.pop(out.rid, None)
+            if opts is not None:   # the request's first output: the detokenizer needs these
+                out.skip_special_tokens, out.spaces_between_special_tokens = opts
             if out.finish_reason is not None:
                 self.live.discard(out.rid)
         self.send(TokenOutputBatch(outputs=outputs))

@@ -1,4 +1,4 @@
-"""The scheduler as a separate process: where it runs, its private socket directory, clean
+"""The scheduler and the detokenizer as separate processes: where they run, its private socket directory, clean
 shutdown, a scheduler that dies mid-request, a parent that dies, start-up errors, the worker's
 message handling, and the wire format (typed msgspec messages, no pickle)."""
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 import plait
 from conftest import assert_no_leak
 from plait.runtime.ipc import (AbortReq, Codec, Fatal, FromScheduler, Ready, RpcReply, RpcReq, Shutdown,
-                               ToScheduler, TokenOutputBatch)
+                               ToDetokenizer, ToScheduler, TokenOutputBatch)
 from plait.runtime.request import GenerateInput, TokenOutput
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler_process import SchedulerWorker
@@ -62,8 +62,10 @@ def _engine(path: str, **kw) -> plait.Engine:
 def test_scheduler_process_and_clean_shutdown(tiny_model_dirs):
     eng = _engine(tiny_model_dirs["llama"])
     pid, ipc_dir = eng.scheduler_pid, eng.ipc_dir
+    detok = eng.detokenizer_pid
     try:
         assert pid != os.getpid() and _alive(pid)
+        assert detok not in (os.getpid(), pid) and _alive(detok)
         assert stat.S_IMODE(os.stat(ipc_dir).st_mode) == 0o700
         assert all(stat.S_ISSOCK(os.stat(os.path.join(ipc_dir, n)).st_mode) for n in os.listdir(ipc_dir))
         out = eng.generate("hello", {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True})
@@ -73,10 +75,13 @@ def test_scheduler_process_and_clean_shutdown(tiny_model_dirs):
         cpu = _cpu_seconds(pid)
         time.sleep(1.0)
         assert _cpu_seconds(pid) - cpu < 0.2, "the idle scheduler should sleep, not spin"
+        cpu = _cpu_seconds(detok)
+        time.sleep(0.5)
+        assert _cpu_seconds(detok) - cpu < 0.1, "the idle detokenizer should sleep, not spin"
     finally:
         eng.shutdown()
     assert not os.path.exists(ipc_dir)
-    assert _wait_gone(pid, 1)   # shutdown joins it: already gone
+    assert _wait_gone(pid, 1) and _wait_gone(detok, 1)   # shutdown joins them: already gone
     with pytest.raises(RuntimeError, match="shut down"):
         eng.generate("hello", {"max_new_tokens": 1})
     eng.abort("anything")       # a no-op, never an error
@@ -126,22 +131,51 @@ def test_killed_scheduler_aborts_pending_requests(tiny_model_dirs):
     assert not os.path.exists(ipc_dir)
 
 
+def test_killed_detokenizer_aborts_pending_requests(tiny_model_dirs):
+    eng = _engine(tiny_model_dirs["llama"])
+    try:
+        sched = eng.scheduler_pid
+        stream = eng.generate("stream", LONG, stream=True)
+        first = next(stream)
+        assert first["meta_info"]["finish_reason"] is None
+        os.kill(eng.detokenizer_pid, signal.SIGKILL)
+        results: dict = {}
+        consumer = threading.Thread(target=lambda: results.setdefault("stream", list(stream)), daemon=True)
+        consumer.start()
+        consumer.join(10)
+        assert not consumer.is_alive(), "a request hung after the detokenizer died"
+        last = results["stream"][-1]["meta_info"]["finish_reason"]
+        assert last["type"] == "abort" and "detokenizer" in last["message"] and "died" in last["message"]
+        assert "-9" in last["message"]
+        assert "detokenizer" in eng.failure
+        with pytest.raises(RuntimeError, match="detokenizer process died"):
+            eng.generate("after", {"max_new_tokens": 1})
+        with pytest.raises(RuntimeError, match="detokenizer process died"):
+            eng.kv_slots_in_use()
+    finally:
+        ipc_dir = eng.ipc_dir
+        eng.shutdown()
+    assert not os.path.exists(ipc_dir)
+    assert _wait_gone(sched, 1)   # the scheduler is stopped too
+
+
 def test_scheduler_exits_when_parent_dies(tiny_model_dirs):
     script = textwrap.dedent(f"""
         import plait, sys, time
         eng = plait.Engine(model={tiny_model_dirs["llama"]!r}, dtype="float32", max_total_tokens=256)
-        print(eng.scheduler_pid, eng.ipc_dir, flush=True)
+        print(eng.scheduler_pid, eng.detokenizer_pid, eng.ipc_dir, flush=True)
         time.sleep(60)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     try:
-        pid, ipc_dir = proc.stdout.readline().split()
-        pid = int(pid)
-        assert _alive(pid)
-        proc.kill()            # no atexit, no finalizers: only the child's own check can act
+        pid, detok, ipc_dir = proc.stdout.readline().split()
+        pid, detok = int(pid), int(detok)
+        assert _alive(pid) and _alive(detok)
+        proc.kill()            # no atexit, no finalizers: only the children's own checks can act
         proc.wait()
         assert _wait_gone(pid, 5), "the scheduler outlived its parent"
+        assert _wait_gone(detok, 5), "the detokenizer outlived its parent"
         assert not os.path.exists(ipc_dir)           # the child removed it on its way out
     finally:
         proc.kill()
@@ -149,7 +183,7 @@ def test_scheduler_exits_when_parent_dies(tiny_model_dirs):
 
 
 def _scheduler_children() -> list:
-    return [p for p in mp.active_children() if p.name == "plait-scheduler"]
+    return [p for p in mp.active_children() if p.name in ("plait-scheduler", "plait-detokenizer")]
 
 
 def test_unknown_model_and_unsupported_architecture_fail_fast(tmp_path, tiny_model_dirs):
@@ -223,7 +257,12 @@ def test_worker_failed_step_aborts_everything_and_keeps_serving():
     worker.handle(_gen("bad", ids=()))
     assert sent.pop().outputs[0].finish_reason == {"type": "abort", "message": "the prompt is empty (0 tokens)"}
     worker.step()
-    assert [o.rid for o in sent.pop().outputs] == ["a", "b"]
+    outs = sent.pop().outputs
+    assert [o.rid for o in outs] == ["a", "b"]
+    # a request's first output carries its detokenization options, later ones do not
+    assert all(o.skip_special_tokens is True and o.spaces_between_special_tokens is True for o in outs)
+    worker.step()
+    assert all(o.skip_special_tokens is None for o in sent.pop().outputs)
     sched.fail = True
     worker.step()   # must not raise
     outs = sent.pop().outputs
@@ -256,13 +295,15 @@ def test_every_message_round_trips_through_msgpack():
     ]
     from_sched = [
         TokenOutputBatch(outputs=[
-            TokenOutput(rid="r1", new_ids=[5], output_logprobs=[[-math.inf, 5]], input_logprobs=[[None, 1]]),
+            TokenOutput(rid="r1", new_ids=[5], output_logprobs=[[-math.inf, 5]], input_logprobs=[[None, 1]],
+                        skip_special_tokens=False, spaces_between_special_tokens=True, text_delta="é🙂"),
             TokenOutput(rid="r2", new_ids=[], finish_reason={"type": "stop", "matched": 2},
                         prompt_tokens=3, cached_tokens=1)]),
         RpcReply(id=1, result={"num_running": 0}), RpcReply(id=2, error="ValueError: x"),
         Ready(info={"context_len": 512, "eos_ids": [2]}), Fatal(message="bad", kind="value", traceback="tb"),
+        Fatal(message="no tokenizer", process="detokenizer"),
     ]
-    for union, msgs in ((ToScheduler, to_sched), (FromScheduler, from_sched)):
+    for union, msgs in ((ToScheduler, to_sched), (FromScheduler, from_sched), (ToDetokenizer, from_sched + [Shutdown()])):
         codec = Codec(union)
         for msg in msgs:
             data = codec.encode(msg)
