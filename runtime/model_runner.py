@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import torch
+from tqdm import tqdm
 
 from .attention import TorchNativeAttention
 from .forward_batch import ForwardBatch
@@ -59,7 +61,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(args.dtype, self.config, self.device)
         self.context_len = args.context_length or self.config.max_position_embeddings
         self.model = model_cls(self.config, max_positions=self.context_len)
-        self.model.load_weights(load_weights(self.model_path))
+        # A progress bar on a terminal (plait serve); silent in logs and tests.
+        weights = tqdm(load_weights(self.model_path), desc="loading weights", unit=" tensors",
+                       disable=not sys.stderr.isatty(), leave=False)
+        self.model.load_weights(weights)
         self.model.to(device=self.device, dtype=self.dtype).eval()
         if self.device.type == "cpu" and not args.disable_weight_prepack:
             self.model.prepack_for_cpu()
