@@ -109,3 +109,10 @@ def set_token_bits(bitmask: torch.Tensor, row: int, token_ids, value: bool = Tru
 def _to_int32(x: int) -> int:
     x &= 0xFFFFFFFF
     return x - (1 << 32) if x >= (1 << 31) else x
+
+
+def eos_only_row(vocab_size: int, eos_token_ids) -> torch.Tensor:
+    """A one-row bitmask allowing only the EOS tokens (what a finished matcher writes)."""
+    row = torch.zeros(1, bitmask_width(vocab_size), dtype=torch.int32)
+    set_token_bits(row, 0, eos_token_ids)
+    return row

@@ -8,7 +8,7 @@ import time
 import torch
 
 from .base import Grammar, GrammarBackend, GrammarError, GrammarSpec, Matcher, decode_forced
-from .bitmask import bitmask_width, set_token_bits
+from .bitmask import bitmask_width, eos_only_row
 from .tokenizer_info import TokenizerInfo
 
 try:
@@ -37,9 +37,7 @@ class LLGuidanceBackend(GrammarBackend):
         self.tokenizer = info.backend_state("llguidance.tokenizer", lambda: llguidance.hf.from_tokenizer(
             info.tokenizer, n_vocab=info.vocab_size, eos_token=list(info.eos_token_ids)))
         self.width = bitmask_width(info.vocab_size)
-        eos_row = torch.zeros(1, self.width, dtype=torch.int32)
-        set_token_bits(eos_row, 0, info.eos_token_ids)
-        self.eos_row = eos_row
+        self.eos_row = eos_only_row(info.vocab_size, info.eos_token_ids)
 
     @property
     def cache_key(self) -> tuple:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .base import Grammar, GrammarBackend, GrammarError, GrammarSpec, Matcher, decode_forced
-from .bitmask import bitmask_width, set_token_bits
+from .bitmask import bitmask_width, eos_only_row, set_token_bits
 from .tokenizer_info import TokenizerInfo
 
 try:
@@ -84,9 +84,7 @@ class OutlinesBackend(GrammarBackend):
                                          if info.tokenizer_vocab_size else 1)
         self.index_words = max(self.index_words, bitmask_width(info.eos_token_ids[0] + 1))
         self.width = bitmask_width(info.vocab_size)
-        eos_row = torch.zeros(1, self.width, dtype=torch.int32)
-        set_token_bits(eos_row, 0, info.eos_token_ids)
-        self.eos_row = eos_row
+        self.eos_row = eos_only_row(info.vocab_size, info.eos_token_ids)
 
     @property
     def cache_key(self) -> tuple:
