@@ -94,6 +94,25 @@ class Output:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)   # one gap per generated token after the first
     start: float = 0.0
+    finish: dict | None = None
+    _last_t: float = 0.0
+    _seen: int = 0
+
+    def observe(self, event: dict) -> None:
+        """Account one cumulative result event (native protocol shape)."""
+        now = time.perf_counter()
+        n = len(event.get("output_ids") or ())
+        self.add_event(now, self._last_t or self.start, n - self._seen)
+        if n > self._seen:
+            self._last_t, self._seen = now, n
+        self.finish = event["meta_info"].get("finish_reason") or self.finish
+
+    def close(self) -> None:
+        """The stream ended: latency, and success unless it ended without a finish or aborted."""
+        self.latency = time.perf_counter() - self.start
+        self.success = self.finish is not None and self.finish.get("type") != "abort"
+        if not self.success:
+            self.error = f"finish_reason {self.finish}"
 
     def add_event(self, now: float, last_t: float, new_tokens: int) -> None:
         """A stream event that carries `new_tokens` more tokens arrived at `now`. The first
@@ -120,13 +139,11 @@ async def send_http(client, prompt: Prompt) -> Output:
     """One streaming native /generate request."""
     out = Output(prompt_len=len(prompt.input_ids), start=time.perf_counter())
     body = {"input_ids": prompt.input_ids, "sampling_params": sampling_params(prompt), "stream": True}
-    last_t, seen = out.start, 0
     try:
         async with client.stream("POST", "/generate", json=body) as resp:
             if resp.status_code != 200:
                 out.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
                 return out
-            finish = None
             async for data in _sse_lines(resp):
                 if data == "[DONE]":
                     break
@@ -134,16 +151,8 @@ async def send_http(client, prompt: Prompt) -> Output:
                 if "error" in event:
                     out.error = str(event["error"].get("message"))
                     return out
-                now = time.perf_counter()
-                n = len(event.get("output_ids") or ())
-                out.add_event(now, last_t, n - seen)
-                if n > seen:
-                    last_t, seen = now, n
-                finish = event["meta_info"].get("finish_reason") or finish
-        out.latency = time.perf_counter() - out.start
-        out.success = finish is not None and finish.get("type") != "abort"
-        if not out.success:
-            out.error = f"finish_reason {finish}"
+                out.observe(event)
+        out.close()
     except Exception as e:   # connection refused / reset, timeouts, bad JSON
         out.error = f"{type(e).__name__}: {e}"
     return out
@@ -153,21 +162,12 @@ def engine_sender(engine) -> Callable[[Prompt], Awaitable[Output]]:
     """The same request through an in-process plait.Engine (`async_generate(stream=True)`)."""
     async def send(prompt: Prompt) -> Output:
         out = Output(prompt_len=len(prompt.input_ids), start=time.perf_counter())
-        last_t, seen, finish = out.start, 0, None
         try:
             it = await engine.async_generate(input_ids=prompt.input_ids, sampling_params=sampling_params(prompt),
                                              stream=True)
             async for event in it:
-                now = time.perf_counter()
-                n = len(event.get("output_ids") or ())
-                out.add_event(now, last_t, n - seen)
-                if n > seen:
-                    last_t, seen = now, n
-                finish = event["meta_info"].get("finish_reason") or finish
-            out.latency = time.perf_counter() - out.start
-            out.success = finish is not None and finish.get("type") != "abort"
-            if not out.success:
-                out.error = f"finish_reason {finish}"
+                out.observe(event)
+            out.close()
         except Exception as e:
             out.error = f"{type(e).__name__}: {e}"
         return out
