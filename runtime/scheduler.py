@@ -350,6 +350,7 @@ class Scheduler:
         next_ids = self.sampler(row_logits, sbatch).tolist()
         for i, (req, tok) in enumerate(zip(to_sample, next_ids)):
             req.output_ids.append(tok)
+            first = len(req.output_ids) - 1
             self.num_generated_tokens += 1
             out = TokenOutput(rid=req.rid, new_ids=[tok], prompt_tokens=len(req.origin_ids),
                               cached_tokens=max(req.cached_tokens, 0))
@@ -367,12 +368,11 @@ class Scheduler:
                 if reason is None and req.matcher is not None and self.jump_forward and not req.return_logprob:
                     if self._exact_jump(req):
                         self._propose_drafts(req)
-                    else:
-                        first = len(req.output_ids) - 1
-                        if self._jump_forward(req):
-                            out.new_ids = req.output_ids[first:]
-                            self.num_generated_tokens += len(out.new_ids) - 1
-                            reason = self._check_finish(req, req.output_ids[-1])
+                    elif self._jump_forward(req):
+                        self.num_generated_tokens += len(req.output_ids) - first - 1
+                        reason = self._check_finish(req, req.output_ids[-1])
+            # jump-forward or a grammar's final EOS may add tokens; unverified drafts are not output
+            out.new_ids = req.output_ids[first:len(req.output_ids) - req.num_draft]
             out.finish_reason = reason
             self._finish_step(req, out, outputs, still_running)
         self.running = sorted(still_running, key=lambda r: r.arrival)
@@ -425,7 +425,8 @@ class Scheduler:
             self._grammar_bitmask(1)
         mask = self._bitmask[:1]
         blocked = sorted(self.eos_ids | set(req.params.stop_token_ids))
-        new: list[int] = []
+        start = len(req.output_ids)
+        valid_kv = len(req.fill_ids)            # the last sampled token's KV was computed this step
         reason = None
         for i in range(len(drafts) + 1):
             row = rows[i:i + 1].clone()
@@ -438,13 +439,18 @@ class Scheduler:
                 reason = {"type": "abort", "message": f"internal error: the grammar rejected token {tok}"}
                 break
             req.output_ids.append(tok)
-            new.append(tok)
+            matched = i < len(drafts) and tok == drafts[i]
+            if matched:
+                valid_kv += 1                       # a kept draft: its KV (computed this step) stands
             reason = self._check_finish(req, tok)
-            if reason is not None or i == len(drafts) or tok != drafts[i]:
+            if reason is not None or not matched:
                 break
+        new = req.output_ids[start:]
         self.num_generated_tokens += len(new)
-        self.num_jump_forward_tokens += len(new) - 1
-        req.kv_len = len(req.fill_ids) - 1      # every token but the newest has KV
+        self.num_jump_forward_tokens += max(len(new) - 1, 0)
+        # KV stands for the kept drafts only: not for the model's own last token (its slot may
+        # hold a rejected draft's KV) nor for an EOS a finished grammar appended.
+        req.kv_len = valid_kv
         if end > req.kv_len:                    # slots of rejected drafts
             self.allocator.free(self.table.table[req.row, req.kv_len:end].clone())
         if reason is None:
@@ -536,8 +542,12 @@ class Scheduler:
             if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
                 return {"type": "stop", "matched": tok}
             if req.matcher is not None and req.matcher.is_finished():
-                # the structure is complete and only EOS could follow
-                return {"type": "stop", "matched": tok if tok in self.eos_ids else None}
+                # The structure is complete and the mask would allow nothing but EOS: append it
+                # now instead of spending a forward pass to sample the only possible token.
+                eos = tok if tok in self.eos_ids else self._grammar_eos()
+                if eos != tok:
+                    req.output_ids.append(eos)
+                return {"type": "stop", "matched": eos}
             if p.stop:
                 tail = self.tokenizer.decode(req.output_ids[-req.stop_tail_tokens:],
                                              skip_special_tokens=p.skip_special_tokens)
@@ -549,6 +559,10 @@ class Scheduler:
         if len(req.origin_ids) + n >= self.context_len:
             return {"type": "length", "length": n}
         return None
+
+    def _grammar_eos(self) -> int:
+        eos = self.tokenizer.eos_token_id
+        return eos if eos in self.eos_ids else min(self.eos_ids)
 
     def _cache_prefix(self, req: Req) -> None:
         """Insert the request's computed tokens into the cache and lock them, so requests that

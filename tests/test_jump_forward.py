@@ -58,4 +58,7 @@ def test_sampled_jump_forward_validates():
     assert info["num_jump_forward_tokens"] > 0
     for o in outs:
         assert o["meta_info"]["finish_reason"]["type"] == "stop", o
+        # protocol: a stop is matched by a str or a token id; a complete grammar ends with EOS
+        assert o["meta_info"]["finish_reason"]["matched"] == o["output_ids"][-1]
+        assert isinstance(o["output_ids"][-1], int)
         jsonschema.validate(json.loads(o["text"]), SCHEMA)
