@@ -440,21 +440,32 @@ def _serve_cmd(model: str, port: int) -> list[str]:
             "float32", "--max-total-tokens", "2048", "--log-level", "warning"]
 
 
-def test_cli_serve_and_sigterm(tiny_model_dirs):
+@contextlib.contextmanager
+def running_serve(model: str):
+    """`plait serve` in a subprocess on a free port, healthy; yields (process, port, env)."""
     port = free_port()
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    proc = subprocess.Popen(_serve_cmd(tiny_model_dirs["llama"], port), cwd=REPO, env=env,
+    proc = subprocess.Popen(_serve_cmd(model, port), cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while True:
             assert proc.poll() is None, proc.stdout.read()
             assert time.monotonic() < deadline, "plait serve did not become healthy"
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                     break
             time.sleep(0.2)
+        yield proc, port, env
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_serve_and_sigterm(tiny_model_dirs):
+    with running_serve(tiny_model_dirs["llama"]) as (proc, port, env):
+        base = f"http://127.0.0.1:{port}"
         out = httpx.post(base + "/generate", json={"text": "hi", "sampling_params": GREEDY}, timeout=30)
         assert out.status_code == 200 and len(out.json()["output_ids"]) == 8
         # a second server on the same port: one clear line, exit code 1, before loading anything
@@ -466,34 +477,14 @@ def test_cli_serve_and_sigterm(tiny_model_dirs):
         proc.wait(timeout=10)
         log = proc.stdout.read()
         assert "ready" in log and f"http://127.0.0.1:{port}" in log
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_serve_exits_when_scheduler_dies(tiny_model_dirs):
     """A dead model worker makes `plait serve` log the cause and exit non-zero, not hang."""
-    port = free_port()
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    proc = subprocess.Popen(_serve_cmd(tiny_model_dirs["llama"], port), cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.2)
+    with running_serve(tiny_model_dirs["llama"]) as (proc, _, _):
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
         assert children, "the scheduler process should be a child of the server"
         for pid in children:
             os.kill(int(pid), signal.SIGKILL)
         assert proc.wait(timeout=15) != 0
         assert "died" in proc.stdout.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
