@@ -249,7 +249,7 @@ def print_table(results: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", action="append", help="xgrammar (default) | outlines | llguidance; repeatable")
+    ap.add_argument("--backend", action="append", help="auto (default) | xgrammar | llguidance | outlines; repeatable")
     ap.add_argument("--data", default=_default_data())
     ap.add_argument("--tokenizer", default=None, help="tokenizer path (default: the smollm2 model)")
     ap.add_argument("--vocab-size", type=int, default=None)
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             entries.append(dict(e, doc=json.loads(f.read())))
 
     results = []
-    for name in args.backend or ["xgrammar"]:
+    for name in args.backend or ["auto"]:
         print(f"# {name}: {len(entries)} schemas, limit {args.timeout:g} s", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         r = run_backend(name, args, tokenizer, entries)

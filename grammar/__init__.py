@@ -1,8 +1,9 @@
 """plait.grammar — constrained decoding: JSON schema / regex / EBNF / choice specs compiled
-through interchangeable backends (xgrammar by default, outlines-core, llguidance), per-request
+through interchangeable backends (xgrammar, llguidance, outlines-core; "auto" by default picks per
+spec kind with fallback, see auto_backend.py), per-request
 matchers that fill packed vocabulary bitmasks, jump-forward text, and a compile cache.
 
-    backend = make_backend("xgrammar", hf_tokenizer, vocab_size=model_vocab)
+    backend = make_backend("auto", hf_tokenizer, vocab_size=model_vocab)
     cache = GrammarCache(backend)
     grammar = cache.submit(GrammarSpec.from_json_schema(schema)).result()   # Future: never blocks the caller
     m = grammar.matcher()
@@ -28,13 +29,15 @@ __all__ = [
     "apply_token_bitmask_", "canonical_json", "BACKENDS", "KINDS", "DEFAULT_BACKEND",
 ]
 
-DEFAULT_BACKEND = "xgrammar"
-# name -> (module, class, the pip requirement that brings it)
+DEFAULT_BACKEND = "auto"
+# name -> (module, class, the pip requirement that brings it); "auto" combines the others
+# (see auto_backend.py)
 BACKENDS = {
     "xgrammar": (".xgrammar_backend", "XGrammarBackend", "xgrammar"),
     "outlines": (".outlines_backend", "OutlinesBackend", "outlines-core"),
-    "llguidance": (".llguidance_backend", "LLGuidanceBackend", "llguidance (pip install 'plait[llguidance]')"),
+    "llguidance": (".llguidance_backend", "LLGuidanceBackend", "llguidance"),
 }
+AUTO = "auto"
 
 _infos: dict[tuple, tuple[Any, TokenizerInfo]] = {}
 _infos_lock = threading.Lock()
@@ -61,7 +64,8 @@ def _backend_class(name: str):
     try:
         module_name, cls_name, requirement = BACKENDS[name]
     except KeyError:
-        raise ValueError(f"unknown grammar backend {name!r}; expected one of {', '.join(BACKENDS)}") from None
+        raise ValueError(f"unknown grammar backend {name!r}; expected one of "
+                         f"{', '.join([AUTO, *BACKENDS])}") from None
     try:
         module = importlib.import_module(module_name, __name__)
     except ImportError as e:
@@ -86,9 +90,19 @@ def make_backend(name: str | None, tokenizer, vocab_size: int | None = None, *,
     """A grammar backend for an HF tokenizer (or a TokenizerInfo). `vocab_size` is the MODEL's
     vocabulary size (logits width). `options` go to the backend (json_whitespace="default" |
     "compact" | "any"; xgrammar: max_threads, strict_mode, any_order; outlines: max_memory_mb,
-    compile_timeout_s, isolate). Raises ImportError naming the package if it is missing."""
-    cls = _backend_class(name or DEFAULT_BACKEND)
-    return cls(tokenizer_info(tokenizer, vocab_size, eos_token_ids), **options)
+    compile_timeout_s, isolate). "auto" (the default) combines xgrammar and llguidance, whichever
+    are installed, and takes json_whitespace only. Raises ImportError naming the package if it
+    is missing."""
+    info = tokenizer_info(tokenizer, vocab_size, eos_token_ids)
+    name = name or DEFAULT_BACKEND
+    if name == AUTO:
+        from .auto_backend import ORDER, AutoBackend
+        members = {n for kinds in ORDER.values() for n in kinds}
+        backends = {n: _backend_class(n)(info, **options) for n in available_backends() if n in members}
+        if not backends:
+            raise ImportError("the auto grammar backend needs xgrammar or llguidance (pip install xgrammar)")
+        return AutoBackend(backends)
+    return _backend_class(name)(info, **options)
 
 
 def allocate_token_bitmask(batch: int, vocab_size: int, **kw):

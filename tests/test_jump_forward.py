@@ -62,3 +62,14 @@ def test_sampled_jump_forward_validates():
         assert o["meta_info"]["finish_reason"]["matched"] == o["output_ids"][-1]
         assert isinstance(o["output_ids"][-1], int)
         jsonschema.validate(json.loads(o["text"]), SCHEMA)
+
+
+def test_jump_forward_benchmark_runs(tiny_model_dirs, capsys):
+    """`plait bench jump_forward` on a tiny model: jump-forward on and off give identical greedy
+    text (its exit code) and the table is printed."""
+    from plait.benchmarks import jump_forward
+    rc = jump_forward.main(["--model", tiny_model_dirs["llama"], "--concurrency", "2", "--rounds", "1",
+                            "--max-new-tokens", "24", "--num-threads", "1"])
+    out = capsys.readouterr().out
+    assert "| concurrency | jump off req/s | jump on req/s |" in out
+    assert rc == 0, out
