@@ -132,7 +132,7 @@ def run_backend(name: str, args, tokenizer, entries: list[dict]) -> dict:
         opts["json_whitespace"] = args.json_whitespace
     if name == "outlines":
         opts.update(max_memory_mb=args.max_memory_mb, compile_timeout_s=args.timeout)
-    if name == "xgrammar" and args.no_strict:
+    if name in ("xgrammar", "llguidance", "auto") and args.no_strict:
         opts["strict_mode"] = False
     if name == "xgrammar" and args.any_order:
         opts["any_order"] = True
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=10.0, help="per-schema compile limit, seconds")
     ap.add_argument("--max-memory-mb", type=int, default=2048, help="outlines: per-compile memory limit")
     ap.add_argument("--json-whitespace", choices=["default", "compact", "any"], default=None)
-    ap.add_argument("--no-strict", action="store_true", help="xgrammar: strict_mode=False (allow extra keys)")
+    ap.add_argument("--no-strict", action="store_true", help="xgrammar / llguidance / auto: strict_mode=False (objects allow undeclared keys)")
     ap.add_argument("--any-order", action="store_true", help="xgrammar: any_order=True (keys in any order)")
     ap.add_argument("--subset", action="append", help="only these subsets")
     ap.add_argument("--limit", type=int, default=None, help="first N schemas (after --subset)")

@@ -89,9 +89,9 @@ def make_backend(name: str | None, tokenizer, vocab_size: int | None = None, *,
                  eos_token_ids=None, **options) -> GrammarBackend:
     """A grammar backend for an HF tokenizer (or a TokenizerInfo). `vocab_size` is the MODEL's
     vocabulary size (logits width). `options` go to the backend (json_whitespace="default" |
-    "compact" | "any"; xgrammar: max_threads, strict_mode, any_order; outlines: max_memory_mb,
+    "compact" | "any"; xgrammar and llguidance: strict_mode; xgrammar: max_threads, any_order; outlines: max_memory_mb,
     compile_timeout_s, isolate). "auto" (the default) combines xgrammar and llguidance, whichever
-    are installed, and takes json_whitespace only. Raises ImportError naming the package if it
+    are installed, and takes json_whitespace and strict_mode. Raises ImportError naming the package if it
     is missing."""
     info = tokenizer_info(tokenizer, vocab_size, eos_token_ids)
     name = name or DEFAULT_BACKEND

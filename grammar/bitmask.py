@@ -19,6 +19,16 @@ def allocate_token_bitmask(batch: int, vocab_size: int, *, pin_memory: bool = Fa
     return torch.full((batch, bitmask_width(vocab_size)), -1, dtype=torch.int32, pin_memory=pin_memory)
 
 
+def checked_row(bitmask: torch.Tensor, row: int, width: int) -> torch.Tensor:
+    """bitmask[row], checked to be what native mask writers take by pointer: contiguous int32
+    [width] on the CPU."""
+    r = bitmask[row]
+    if r.shape[0] != width or r.dtype != torch.int32 or r.device.type != "cpu" or not r.is_contiguous():
+        raise ValueError(f"bitmask row must be contiguous int32 [{width}] on CPU, got "
+                         f"{r.dtype} {tuple(r.shape)} on {r.device}")
+    return r
+
+
 def reset_token_bitmask(bitmask: torch.Tensor) -> None:
     bitmask.fill_(-1)
 

@@ -8,7 +8,7 @@ import time
 import torch
 
 from .base import Grammar, GrammarBackend, GrammarError, GrammarSpec, Matcher, decode_forced
-from .bitmask import bitmask_width, eos_only_row
+from .bitmask import bitmask_width, checked_row, eos_only_row
 from .tokenizer_info import TokenizerInfo
 
 try:
@@ -26,14 +26,52 @@ JSON_OPTIONS = {
 }
 
 
+# keywords whose values are schemas (a dict), lists of schemas, or maps of name -> schema;
+# everything else (enum, const, default, examples, ...) is data and is left alone
+_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+              "additionalProperties", "unevaluatedProperties", "unevaluatedItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def strict_schema(node, in_all_of: bool = False):
+    """A copy of the schema in which objects that list `properties` and say nothing of other keys
+    forbid them (`additionalProperties: false`) — what xgrammar's strict mode does, so that a model
+    writes the declared keys and stops instead of inventing more. Branches of an `allOf` are left
+    open: closing each would forbid the keys the other branches declare."""
+    if isinstance(node, list):
+        return [strict_schema(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for k, v in node.items():
+        if k in _SUBSCHEMA:
+            out[k] = strict_schema(v)
+        elif k in _SUBSCHEMA_LISTS and isinstance(v, list):
+            out[k] = [strict_schema(x) for x in v]
+        elif k == "allOf" and isinstance(v, list):
+            out[k] = [strict_schema(x, in_all_of=True) for x in v]
+        elif k in _SUBSCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: strict_schema(x) for name, x in v.items()}
+        else:
+            out[k] = v
+    if (not in_all_of and isinstance(node.get("properties"), dict) and "allOf" not in node
+            and not any(k in node for k in ("additionalProperties", "unevaluatedProperties", "patternProperties"))):
+        out["additionalProperties"] = False
+    return out
+
+
 class LLGuidanceBackend(GrammarBackend):
     name = "llguidance"
 
-    def __init__(self, info: TokenizerInfo, *, json_whitespace: str = "default") -> None:
+    def __init__(self, info: TokenizerInfo, *, json_whitespace: str = "default", strict_mode: bool = True) -> None:
+        """strict_mode: objects with `properties` and no word on other keys forbid them (see
+        `strict_schema`), as in xgrammar; False follows JSON Schema (other keys allowed)."""
         if json_whitespace not in JSON_OPTIONS:
             raise ValueError(f"json_whitespace must be one of {tuple(JSON_OPTIONS)}, got {json_whitespace!r}")
         self.info = info
         self.json_whitespace = json_whitespace
+        self.strict_mode = strict_mode
         self.tokenizer = info.backend_state("llguidance.tokenizer", lambda: llguidance.hf.from_tokenizer(
             info.tokenizer, n_vocab=info.vocab_size, eos_token=list(info.eos_token_ids)))
         self.width = bitmask_width(info.vocab_size)
@@ -41,13 +79,14 @@ class LLGuidanceBackend(GrammarBackend):
 
     @property
     def cache_key(self) -> tuple:
-        return (self.name, self.json_whitespace)
+        return (self.name, self.json_whitespace, self.strict_mode)
 
     def _grammar_text(self, spec: GrammarSpec) -> str:
         try:
             if spec.kind == "json_schema":
-                spec.schema()
-                return LLMatcher.grammar_from_json_schema(spec.spec, overrides=JSON_OPTIONS[self.json_whitespace])
+                schema = spec.schema()
+                text = json.dumps(strict_schema(schema)) if self.strict_mode and isinstance(schema, dict) else spec.spec
+                return LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS[self.json_whitespace])
             if spec.kind == "json_object":
                 return LLMatcher.grammar_from_json_schema('{"type": "object"}',
                                                           overrides=JSON_OPTIONS[self.json_whitespace])
@@ -124,10 +163,7 @@ class LLGuidanceMatcher(Matcher):
         if self._terminated:
             bitmask[row].copy_(b.eos_row[0])
             return
-        r = bitmask[row]
-        if r.shape[0] != b.width or r.dtype != torch.int32 or r.device.type != "cpu" or not r.is_contiguous():
-            raise ValueError(f"bitmask row must be contiguous int32 [{b.width}] on CPU, got "
-                             f"{r.dtype} {tuple(r.shape)} on {r.device}")
+        r = checked_row(bitmask, row, b.width)
         self._m.unsafe_compute_mask_ptr(r.data_ptr(), b.width * 4)
 
     def can_end(self) -> bool:

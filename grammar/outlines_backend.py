@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .base import Grammar, GrammarBackend, GrammarError, GrammarSpec, Matcher, decode_forced
-from .bitmask import bitmask_width, eos_only_row, set_token_bits
+from .bitmask import bitmask_width, checked_row, eos_only_row, set_token_bits
 from .tokenizer_info import TokenizerInfo
 
 try:
@@ -239,10 +239,7 @@ class OutlinesMatcher(Matcher):
         if self._terminated:
             bitmask[row].copy_(b.eos_row[0])
             return
-        r = bitmask[row]
-        if r.shape[0] != b.width or r.dtype != torch.int32 or r.device.type != "cpu" or not r.is_contiguous():
-            raise ValueError(f"bitmask row must be contiguous int32 [{b.width}] on CPU, got "
-                             f"{r.dtype} {tuple(r.shape)} on {r.device}")
+        r = checked_row(bitmask, row, b.width)
         self._guide.write_mask_into(r.data_ptr(), b.width, 4)
         if b.width > b.index_words:
             r[b.index_words:].zero_()

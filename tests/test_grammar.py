@@ -429,6 +429,28 @@ def test_auto_backend_routes_and_falls_back(tokenizer):
         be.compile(GrammarSpec.from_regex("[a-"))
 
 
+def test_strict_mode_forbids_undeclared_keys(tokenizer):
+    """xgrammar, llguidance and auto close objects that declare properties (strict mode, the
+    default) so the model stops after the declared keys; strict_mode=False follows JSON Schema."""
+    from plait.grammar.llguidance_backend import strict_schema
+    nested = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+                                               "c": {"enum": [{"properties": 1}]}},
+              "allOf": [{"properties": {"x": {}}}], "$defs": {"d": {"properties": {"e": {}}}}}
+    s = strict_schema(nested)
+    assert "additionalProperties" not in s                       # has allOf: its branches add keys
+    assert s["properties"]["a"]["additionalProperties"] is False
+    assert s["properties"]["c"] == {"enum": [{"properties": 1}]}  # data, not a schema
+    assert "additionalProperties" not in s["allOf"][0]
+    assert s["$defs"]["d"]["additionalProperties"] is False
+    extra = ids_of(tokenizer, '{"name": "a", "age": 1, "x": 2}')
+    for name in ("xgrammar", "llguidance", "auto"):
+        for strict in (True, False):
+            m = make_backend(name, tokenizer, VOCAB, strict_mode=strict).compile(
+                GrammarSpec.from_json_schema(PERSON)).matcher()
+            walked = all(m.accept(t) for t in extra) and m.can_end()
+            assert walked is (not strict), (name, strict)
+
+
 def test_auto_backend_without_llguidance(tokenizer, monkeypatch):
     import plait.grammar as pg
     monkeypatch.setattr(pg, "available_backends", lambda: ["xgrammar", "outlines"])
