@@ -8,9 +8,10 @@ import os
 import threading
 from typing import Any, Callable
 
+from . import context
 from .backends import BaseBackend, as_backend
 from .interpreter import ProgramState, StreamExecutor
-from .ir import (REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR, ExprList, Gen, Role, RoleBegin, RoleEnd,
+from .ir import (REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR, Call, ExprList, Gen, Role, RoleBegin, RoleEnd,
                  Select, schema_to_str)
 
 token_length_normalized = "token_length_normalized"
@@ -165,54 +166,95 @@ class Function:
             raise TypeError(f"{self.func.__name__}() has no arguments {sorted(unknown)}")
         return Function(self.func, {**self.bind_arguments, **kwargs})
 
-    def _split(self, kwargs: dict) -> tuple[dict, dict, dict]:
+    @staticmethod
+    def _settings(kwargs: dict) -> tuple[dict, dict, dict]:
+        """Split keyword arguments into the sampling and logprob settings given and the rest."""
+        kwargs = dict(kwargs)
         kwargs.pop("use_thread", None)       # SGLang's flag: states always run on their own thread here
-        settings = {k: kwargs.pop(k) for k in list(kwargs) if k in _DEFAULTS}
-        merged = {**_DEFAULTS, **settings}
-        sampling = {k: v for k, v in merged.items() if k not in _LOGPROB}
-        logprob = {k: merged[k] for k in _LOGPROB}
+        if "max_tokens" in kwargs and "max_tokens" not in _DEFAULTS:   # gen's spelling, also accepted here
+            kwargs.setdefault("max_new_tokens", kwargs.pop("max_tokens"))
+        given = {k: kwargs.pop(k) for k in list(kwargs) if k in _DEFAULTS}
+        sampling = {k: v for k, v in given.items() if k not in _LOGPROB}
+        logprob = {k: v for k, v in given.items() if k in _LOGPROB}
         return sampling, logprob, kwargs
+
+    def _split(self, kwargs: dict) -> tuple[dict, dict, dict]:
+        """Like `_settings`, with SGLang's defaults filled in."""
+        sampling, logprob, rest = self._settings(kwargs)
+        sampling = {**{k: v for k, v in _DEFAULTS.items() if k not in _LOGPROB}, **sampling}
+        logprob = {**{k: _DEFAULTS[k] for k in _LOGPROB}, **logprob}
+        return sampling, logprob, rest
 
     def _new_state(self, backend, sampling, logprob, stream) -> ProgramState:
         return ProgramState(StreamExecutor(backend, sampling, logprob, stream))
+
+    def _body(self, state: Any, args: tuple, kwargs: dict) -> Any:
+        """Run the Python body on `state` (this thread), as the innermost running program."""
+        with context.running(state, tracing=isinstance(state, _TraceState)):
+            return self.func(state, *args, **{**self.bind_arguments, **kwargs})
+
+    def _execute(self, state: ProgramState, args: tuple, kwargs: dict) -> None:
+        """The body, then the end of the state's input; the body's own error is kept in the state
+        (and stops the rest of the program) instead of being raised."""
+        ex = state.stream_executor
+        ex.begin_body()
+        try:
+            state.ret_value = self._body(state, args, kwargs)
+        except BaseException as e:   # noqa: BLE001 - kept in the state
+            state._program_error = e
+            ex.fail(e)
+        finally:
+            ex.end_body()
+            ex.end()
+
+    def _start(self, state: ProgramState, args: tuple, kwargs: dict) -> threading.Thread:
+        """Run the body on a thread of its own (so the caller can stream or await the state)."""
+        t = threading.Thread(target=self._execute, args=(state, args, kwargs), daemon=True,
+                             name=f"plait-program-{self.func.__name__}")
+        t.start()
+        return t
 
     def run(self, *args, stream: bool = False, backend: Any = None, **kwargs) -> ProgramState:
         """Run once; returns the state when done (or at once with `stream=True`: read it with
         `state.text_iter()`). Errors, the program's own or a backend's, are raised."""
         sampling, logprob, kwargs = self._split(kwargs)
         state = self._new_state(_resolve_backend(backend), sampling, logprob, stream)
-        ex = state.stream_executor
-        try:
-            self.func(state, *args, **{**self.bind_arguments, **kwargs})
-        except BaseException:
-            ex.end()
-            raise
-        ex.end()
-        if not stream:
-            ex.wait_finished()
-            ex.raise_error()
-        return state
+        if stream:      # the body runs on its own thread, so it may read its own variables
+            self._start(state, args, kwargs)
+            return state
+        self._execute(state, args, kwargs)
+        return _finished(state)
+
+    async def run_async(self, *args, stream: bool = False, backend: Any = None, **kwargs) -> ProgramState:
+        """`run` for asyncio: awaits the program without blocking the event loop (its body and its
+        calls run on threads of their own). With `stream=True` returns at once: read the state
+        with `async for piece in state.text_async_iter(): ...`."""
+        sampling, logprob, kwargs = self._split(kwargs)
+        state = self._new_state(_resolve_backend(backend), sampling, logprob, stream)
+        self._start(state, args, kwargs)
+        if stream:
+            return state
+        await state.wait_async()
+        return _finished(state)
 
     def run_batch(self, batch_kwargs: list[dict], *, backend: Any = None, num_threads: int | str = "auto",
                   progress_bar: bool = False, **kwargs) -> list[ProgramState]:
         """Run the program once per dict of arguments, concurrently on `num_threads` threads. A
-        program that fails keeps its error in its own state (`state.error()`); the others go on."""
+        program that fails keeps its error in its own state (`state.error()`); the others go on.
+        As in SGLang, the program's constant prefix is sent once first, so the batch shares it."""
         sampling, logprob, rest = self._split(dict(kwargs))
         if rest:
             raise TypeError(f"run_batch got unexpected arguments {sorted(rest)}; program arguments go in batch_kwargs")
         be = _resolve_backend(backend)
         if num_threads == "auto":
             num_threads = max(1, min(len(batch_kwargs), 64, 4 * (os.cpu_count() or 1) + 8))
+        if len(batch_kwargs) > 1:
+            self.cache(be)
 
         def one(args: dict) -> ProgramState:
             state = self._new_state(be, sampling, logprob, False)
-            ex = state.stream_executor
-            try:
-                self.func(state, **{**self.bind_arguments, **args})
-            except BaseException as e:   # noqa: BLE001 - kept in the state
-                state._program_error = e
-            ex.end()
-            ex.wait_finished()
+            self._execute(state, (), args)
+            state.stream_executor.wait_finished()
             return state
 
         states: list[ProgramState | None] = [None] * len(batch_kwargs)
@@ -235,11 +277,114 @@ class Function:
         that needs an argument or the model (traced with placeholder arguments)."""
         be = _resolve_backend(backend)
         prefix = _trace_prefix(self, be)
-        if prefix:
+        if len(prefix) > 64:      # shorter ones are not worth a request (SGLang's threshold)
             be.cache_prefix(prefix)
 
-    def __call__(self, *args, **kwargs) -> ProgramState:
-        return self.run(*args, **kwargs)
+    def __call__(self, *args, **kwargs) -> Any:
+        """Outside a program: `run`. Inside one (SGLang's nested call):
+
+        - `inner(s, ...)` runs inner's body on the state `s` now, as a helper function would, and
+          returns what the body returns;
+        - `s += inner(...)` (also in a list, a role or a fork: `f += inner(...)`) runs inner's
+          body on that state, in order with the text around it: inner's text continues the
+          outer program's text and the variables inner sets are the outer state's variables;
+        - `x = inner(...)` not appended is a program of its own on the same backend (SGLang's
+          `branch = expand(tip=...)`), started as soon as the caller reads any value, so that
+          several run concurrently; `x["var"]`, `x.text()` wait for it.
+
+        Keyword sampling settings (`inner(..., temperature=0)`) apply to inner's calls only.
+        """
+        if args and isinstance(args[0], (ProgramState, _TraceState)):
+            sampling, logprob, rest = self._settings(kwargs)
+            return _inline(self, args[0], args[1:], rest, sampling, logprob)
+        frame = context.current()
+        if frame is None:
+            return self.run(*args, **kwargs)
+        call = ProgramCall(self, args, kwargs, frame)
+        frame.pending.append(call)
+        return call
+
+
+def _finished(state: ProgramState) -> ProgramState:
+    """A finished state, or the error that stopped it raised (the program's own as it is)."""
+    ex = state.stream_executor
+    ex.wait_finished()
+    if state._program_error is not None:
+        raise state._program_error
+    ex.raise_error()
+    return state
+
+
+def _inline(fn: Function, state: Any, args: tuple, kwargs: dict, sampling: dict, logprob: dict) -> Any:
+    """Run `fn`'s body on `state`; its own sampling settings apply to the expressions it appends."""
+    if not (sampling or logprob) or isinstance(state, _TraceState):
+        return fn._body(state, args, kwargs)
+    ex = state.stream_executor
+    ex.submit(lambda e: e.push_defaults(sampling, logprob))
+    try:
+        return fn._body(state, args, kwargs)
+    finally:
+        ex.submit(lambda e: e.pop_defaults())
+
+
+class ProgramCall(Call):
+    """`inner(...)` inside a running program: run inline where it is appended, else a program of
+    its own (see `Function.__call__`). Reading it (`call["var"]`, `call.text()`, ...) reads the
+    state it ran on."""
+
+    def __init__(self, fn: Function, args: tuple, kwargs: dict, frame: context.Frame):
+        self._fn, self._args, self._frame = fn, args, frame
+        self._sampling, self._logprob, self._kwargs = fn._settings(kwargs)
+        self._state: ProgramState | None = None      # where it ran last
+        self._own = False                             # started as a program of its own
+        self._lock = threading.Lock()
+
+    def _unpend(self) -> None:
+        with self._lock:
+            if self in self._frame.pending:
+                self._frame.pending.remove(self)
+
+    def inline_into(self, state: Any) -> None:
+        self._unpend()
+        if self._own:       # already running as a program of its own: append what it produces
+            state.stream_executor.submit(self._state)
+            return
+        _inline(self._fn, state, self._args, self._kwargs, self._sampling, self._logprob)
+        if isinstance(state, ProgramState):
+            self._state = state
+
+    def start(self) -> None:
+        """Start as a program of its own (once), on the caller's backend and settings."""
+        self._unpend()
+        with self._lock:
+            if self._state is not None:
+                return
+            if self._frame.tracing:
+                raise _Stop
+            outer = self._frame.state.stream_executor
+            self._own = True
+            self._state = ProgramState(StreamExecutor(
+                outer.backend, {**outer.default_sampling, **self._sampling},
+                {**outer.default_logprob, **self._logprob}, outer.stream))
+        self._fn._start(self._state, self._args, self._kwargs)
+
+    def _resolve(self) -> ProgramState:
+        self.start()
+        return self._state   # type: ignore[return-value]
+
+    def __getitem__(self, name: str) -> Any:
+        return self._resolve()[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._resolve()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._resolve(), name)
+
+    def __repr__(self) -> str:
+        return f"ProgramCall({self._fn.func.__name__}, started={self._state is not None})"
 
 
 class _Stop(Exception):
@@ -262,6 +407,8 @@ class _TraceState:
         elif isinstance(other, ExprList):
             for it in other.items:
                 self._add(it)
+        elif isinstance(other, Call):
+            other.inline_into(self)
         else:
             raise _Stop
 
@@ -273,7 +420,7 @@ def _trace_prefix(fn: Function, backend: BaseBackend) -> str:
     st = _TraceState()
     args = {n: _Arg() for n in fn.arg_names if n not in fn.bind_arguments}
     try:
-        fn.func(st, **{**fn.bind_arguments, **args})
+        fn._body(st, (), args)
     except Exception:
         pass
     return st.text

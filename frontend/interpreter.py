@@ -1,14 +1,32 @@
 """Running programs: each state has a `StreamExecutor` — a thread with a queue of expressions —
-so `s += gen(...)` returns at once and independent states (fork children, batch items) overlap."""
+so `s += gen(...)` returns at once and independent states (fork children, batch items) overlap.
+
+A program's body (the Python function) may run on another thread than the one reading its state
+(streaming, `run_async`, nested calls started on their own): the executor records which thread
+runs the body, so readers elsewhere wait for the body to finish submitting before they sync."""
 from __future__ import annotations
 
+import asyncio
 import math
 import queue
 import threading
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
+from . import context
 from .backends import BaseBackend
-from .ir import ExprList, Gen, Role, RoleBegin, RoleEnd, Select, VarScopeBegin, VarScopeEnd
+from .ir import (
+    Call,
+    Expr,
+    ExprList,
+    Gen,
+    Role,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    VarScopeBegin,
+    VarScopeEnd,
+    contains_call,
+)
 
 CHOICES_METHODS = ("token_length_normalized", "greedy_token", "unconditional_likelihood_normalized")
 
@@ -35,6 +53,11 @@ class StreamExecutor:
         self.var_scopes: dict[str, int] = {}
         self.error_: BaseException | None = None
         self.children: list[StreamExecutor] = []
+        self._defaults_stack: list[tuple[dict, dict]] = []   # nested calls' own sampling settings
+        self._body_done = threading.Event()
+        self._body_done.set()                                # no body yet: nothing more will come
+        self._body_thread: int | None = None
+        self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self._lock = threading.Lock()
         self._cond = threading.Condition()
         self._events: list[tuple[str | None, str | None]] = []   # (var or None, piece) for text_iter
@@ -50,7 +73,72 @@ class StreamExecutor:
         self._queue.put(expr)
 
     def sync(self) -> None:
+        """Wait until everything submitted ran (and, from another thread, until the body ended)."""
+        if not self._in_body():
+            self._body_done.wait()
         self._queue.join()
+
+    def begin_body(self) -> None:
+        """The calling thread now runs the program's body."""
+        self._body_thread = threading.get_ident()
+        self._body_done.clear()
+
+    def end_body(self) -> None:
+        self._body_done.set()
+        self._notify()
+
+    def _in_body(self) -> bool:
+        return self._body_done.is_set() or self._body_thread == threading.get_ident()
+
+    def fail(self, error: BaseException) -> None:
+        """The program's body failed: stop running its expressions and wake every reader."""
+        if self.error_ is None:
+            self.error_ = error
+        for ev in list(self.var_events.values()):
+            ev.set()
+        self._notify()
+
+    def _notify(self) -> None:
+        """Wake readers waiting for text, variables or the end (threads and asyncio tasks)."""
+        with self._cond:
+            self._cond.notify_all()
+            waiters = list(self._async_waiters)
+        for loop, ev in waiters:
+            try:
+                loop.call_soon_threadsafe(ev.set)
+            except RuntimeError:    # that loop is closed; its task is gone
+                pass
+
+    async def _wait_async(self, ready: Callable[[], bool]) -> None:
+        """Wait, without blocking the event loop, until `ready()` holds (checked on each notify)."""
+        if ready():
+            return
+        entry = (asyncio.get_running_loop(), asyncio.Event())
+        with self._cond:
+            self._async_waiters.append(entry)
+        try:
+            while not ready():
+                await entry[1].wait()
+                entry[1].clear()
+        finally:
+            with self._cond:
+                self._async_waiters.remove(entry)
+
+    def _done(self) -> bool:
+        return self._finished.is_set() or (self.error_ is not None and self._body_done.is_set())
+
+    async def wait_async(self) -> None:
+        """Wait, without blocking the event loop, until the program has finished."""
+        await self._wait_async(self._done)
+
+    def push_defaults(self, sampling: dict, logprob: dict) -> None:
+        """A nested call's own settings (`inner(..., temperature=0)`) apply until `pop_defaults`."""
+        self._defaults_stack.append((self.default_sampling, self.default_logprob))
+        self.default_sampling = {**self.default_sampling, **sampling}
+        self.default_logprob = {**self.default_logprob, **logprob}
+
+    def pop_defaults(self) -> None:
+        self.default_sampling, self.default_logprob = self._defaults_stack.pop()
 
     def end(self) -> None:
         """No more expressions: the thread exits once the queue is drained (children end too)."""
@@ -67,18 +155,13 @@ class StreamExecutor:
                 if expr is None:
                     for child in self.children:
                         child.end()
-                    with self._cond:
-                        self._finished.set()
-                        self._cond.notify_all()
+                    self._finished.set()
+                    self._notify()
                     return
                 if self.error_ is None:
                     self._execute(expr)
             except BaseException as e:   # noqa: BLE001 - recorded, surfaced to the program
-                self.error_ = e
-                for ev in list(self.var_events.values()):
-                    ev.set()
-                with self._cond:
-                    self._cond.notify_all()
+                self.fail(e)
             finally:
                 self._queue.task_done()
 
@@ -96,7 +179,8 @@ class StreamExecutor:
     def get_var(self, name: str) -> Any:
         ev = self._event(name)
         while not ev.wait(0.05):
-            if self.error_ is not None or self._queue.unfinished_tasks == 0:
+            # nothing queued and the body submits no more: the variable will never be set
+            if self.error_ is not None or (self._queue.unfinished_tasks == 0 and self._in_body()):
                 break
         if name in self.variables:
             return self.variables[name]
@@ -115,13 +199,35 @@ class StreamExecutor:
         if self.stream:
             with self._cond:
                 self._events.append((var, piece))
-                self._cond.notify_all()
+            self._notify()
 
     def _var_done(self, name: str) -> None:
         if self.stream:
             with self._cond:
                 self._events.append((name, None))
-                self._cond.notify_all()
+            self._notify()
+
+    def _poll(self, idx: int) -> tuple[list, int, bool]:
+        """Stream events from `idx` on, the next index, and whether no more will come."""
+        with self._cond:
+            new, idx = self._events[idx:], len(self._events)
+            done = self._done()
+        return new, idx, done
+
+    @staticmethod
+    def _pieces(new: list, var_name: str | None) -> tuple[list[tuple[str | None, str]], bool]:
+        """The (var, piece) pairs a reader of `var_name` (None: all text) wants, and whether that
+        variable is complete."""
+        out = []
+        for var, piece in new:
+            if var_name is None:
+                if piece is not None:
+                    out.append((var, piece))
+            elif var == var_name:
+                if piece is None:
+                    return out, True
+                out.append((var, piece))
+        return out, False
 
     def text_iter(self, var_name: str | None = None) -> Iterator[str]:
         if not self.stream:
@@ -132,18 +238,35 @@ class StreamExecutor:
         idx = 0
         while True:
             with self._cond:
-                while idx >= len(self._events) and not self._finished.is_set() and self.error_ is None:
+                while idx >= len(self._events) and not self._done():
                     self._cond.wait(0.1)
-                new, idx = self._events[idx:], len(self._events)
-                done = (self._finished.is_set() or self.error_ is not None) and idx == len(self._events)
-            for var, piece in new:
-                if var_name is None:
-                    if piece is not None:
-                        yield piece
-                elif var == var_name:
-                    if piece is None:
-                        return
-                    yield piece
+            new, idx, done = self._poll(idx)
+            pieces, var_done = self._pieces(new, var_name)
+            for _, piece in pieces:
+                yield piece
+            if var_done:
+                return
+            if done:
+                self.raise_error()
+                return
+
+    async def text_async_iter(self, var_name: str | None = None,
+                              return_meta_data: bool = False) -> AsyncIterator[Any]:
+        if not self.stream:
+            await self.wait_async()
+            self.raise_error()
+            text = self.text_ if var_name is None else str(self.get_var(var_name))
+            yield (text, self.meta_info.get(var_name)) if return_meta_data else text
+            return
+        idx = 0
+        while True:
+            await self._wait_async(lambda i=idx: i < len(self._events) or self._done())
+            new, idx, done = self._poll(idx)
+            pieces, var_done = self._pieces(new, var_name)
+            for var, piece in pieces:
+                yield (piece, self.meta_info.get(var)) if return_meta_data else piece
+            if var_done:
+                return
             if done:
                 self.raise_error()
                 return
@@ -182,7 +305,9 @@ class StreamExecutor:
             self.var_scopes[expr.name] = len(self.text_)
         elif isinstance(expr, VarScopeEnd):
             self.set_var(expr.name, self.text_[self.var_scopes.pop(expr.name):])
-        elif callable(expr):          # internal ops (join)
+        elif isinstance(expr, ProgramState):
+            self._splice(expr.stream_executor)
+        elif callable(expr):          # internal ops (join, nested calls' settings)
             expr(self)
         elif isinstance(expr, (int, float)):
             self.append_text(str(expr))
@@ -212,6 +337,8 @@ class StreamExecutor:
         elif self.stream:
             text, meta = "", {}
             for cumulative, meta in self.backend.generate_stream(self.text_, sp, lp):
+                if name is not None:
+                    self.meta_info[name] = meta      # what text_async_iter(return_meta_data) reports
                 self.append_text(cumulative[len(text):], name)
                 text = cumulative
         else:
@@ -257,6 +384,15 @@ class StreamExecutor:
             self.set_var(sel.name, choice, meta)
             self._var_done(sel.name)
 
+    def _splice(self, other: "StreamExecutor") -> None:
+        """`s += state`: another program's text, messages and variables, once it has finished."""
+        other.sync()
+        other.raise_error()
+        self.append_text(other.text_)
+        self.messages_.extend(dict(m) for m in other.messages_)
+        for name, value in other.variables.items():
+            self.set_var(name, value, other.meta_info.get(name))
+
     def fork(self, n: int) -> list["StreamExecutor"]:
         self.sync()
         children = []
@@ -279,10 +415,25 @@ class ProgramState:
     def __init__(self, executor: StreamExecutor):
         self.stream_executor = executor
         self._program_error: BaseException | None = None
+        self.ret_value: Any = None        # what the program's body returned (SGLang's name)
 
     def __iadd__(self, other: Any) -> "ProgramState":
-        self.stream_executor.submit(other)
+        self._append(other)
         return self
+
+    def _append(self, expr: Any) -> None:
+        """Submit `expr`; a nested call in it runs its body here, in order with the text around it."""
+        if not contains_call(expr):
+            self.stream_executor.submit(expr)
+        elif isinstance(expr, Call):
+            expr.inline_into(self)
+        elif isinstance(expr, ExprList):
+            for item in expr.items:
+                self._append(item)
+        else:   # a role around a call
+            self.stream_executor.submit(RoleBegin(expr.role))
+            self._append(expr.content)
+            self.stream_executor.submit(RoleEnd(expr.role))
 
     # --- roles --------------------------------------------------------------------------------------
     def _role(self, role: str, expr: Any = None):
@@ -315,6 +466,7 @@ class ProgramState:
         return name in self.stream_executor.variables
 
     def get_var(self, name: str) -> Any:
+        context.start_pending()
         return self.stream_executor.get_var(name)
 
     def set_var(self, name: str, value: Any) -> None:
@@ -333,6 +485,7 @@ class ProgramState:
         return list(self.stream_executor.messages_)
 
     def sync(self) -> "ProgramState":
+        context.start_pending()
         self.stream_executor.sync()
         return self
 
@@ -341,9 +494,22 @@ class ProgramState:
         return self._program_error or self.stream_executor.error_
 
     def text_iter(self, var_name: str | None = None) -> Iterator[str]:
+        """The text (or one variable) as it is generated; all at once unless run with stream=True."""
+        context.start_pending()
         return self.stream_executor.text_iter(var_name)
 
+    def text_async_iter(self, var_name: str | None = None, return_meta_data: bool = False) -> AsyncIterator[Any]:
+        """`text_iter` for asyncio: `async for piece in state.text_async_iter(): ...` never blocks
+        the event loop. With `return_meta_data`, yields (piece, meta_info of its variable)."""
+        return self.stream_executor.text_async_iter(var_name, return_meta_data)
+
+    async def wait_async(self) -> "ProgramState":
+        """Wait, without blocking the event loop, until the program has finished."""
+        await self.stream_executor.wait_async()
+        return self
+
     def fork(self, size: int = 1) -> "ProgramStateGroup":
+        context.start_pending()
         return ProgramStateGroup([ProgramState(c) for c in self.stream_executor.fork(size)], self)
 
     def __repr__(self) -> str:
@@ -393,7 +559,12 @@ class ProgramStateGroup:
 
     def __iadd__(self, other: Any) -> "ProgramStateGroup":
         """`forks += expr` appends the same expression (or one per state, from a list) to each."""
-        items = other if isinstance(other, (list, tuple)) else [other] * len(self.states)
+        if isinstance(other, (list, tuple)):
+            items = other
+        elif callable(other) and not isinstance(other, Expr):    # SGLang's `forks += lambda i: ...`
+            items = [other(i) for i in range(len(self.states))]
+        else:
+            items = [other] * len(self.states)
         for st, it in zip(self.states, items):
             st += it
         return self

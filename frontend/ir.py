@@ -75,6 +75,25 @@ class VarScopeEnd(Expr):
     name: str
 
 
+class Call(Expr):
+    """A call of one program inside another (`s += inner(...)`); `plait.frontend.api` runs it."""
+
+    def inline_into(self, state: Any) -> None:
+        """Run the called program's body on `state`, at the point where it is appended."""
+        raise NotImplementedError
+
+
+def contains_call(expr: Any) -> bool:
+    """Whether appending `expr` runs a nested program (a Call, possibly inside a list or a role)."""
+    if isinstance(expr, Call):
+        return True
+    if isinstance(expr, ExprList):
+        return any(contains_call(it) for it in expr.items)
+    if isinstance(expr, Role):
+        return contains_call(expr.content)
+    return False
+
+
 def schema_to_str(schema: Any) -> str | None:
     """A JSON schema given as a dict, a JSON string or a pydantic model class -> a JSON string."""
     if schema is None or isinstance(schema, str):
