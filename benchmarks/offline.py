@@ -29,7 +29,7 @@ def make_prompts(tokenizer, n: int) -> list[str]:
 
 def bench_plait(args, prompts: list[str]) -> dict:
     import plait
-    with plait.Engine(model=args.model, dtype=args.dtype, num_threads=args.threads,
+    with plait.Engine(model=args.model, dtype=args.dtype, num_threads=args.threads, quantization=args.quantization,
                       max_running_requests=args.concurrency, max_total_tokens=args.max_total_tokens) as eng:
         params = {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True}
         eng.generate(prompts[0], {"max_new_tokens": 2})                 # warm-up
@@ -45,35 +45,40 @@ def bench_plait(args, prompts: list[str]) -> dict:
         return {"single_tok_s": single, "batch_tok_s": tokens / dt, "batch_seconds": dt, "tokens": tokens}
 
 
-def bench_hf(args, prompts: list[str]) -> dict:
+def load_hf(model: str, dtype: str, threads: int):
+    """(HF model, left-padding tokenizer) for `model` in `dtype` (auto: float32)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from plait.runtime.model_loader import resolve_model
-    torch.set_num_threads(args.threads)
-    path = resolve_model(args.model)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype if args.dtype != "auto" else "float32"]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    torch.set_num_threads(threads)
+    path = resolve_model(model)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype if dtype != "auto" else "float32"]
     tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    gen = dict(do_sample=False, max_new_tokens=args.output_len, min_new_tokens=args.output_len,
-               pad_token_id=tok.pad_token_id)
-    res = {}
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval(), tok
+
+
+def hf_generate(model, tok, prompts: list[str], output_len: int, batch_size: int) -> float:
+    """Greedy `generate` of exactly `output_len` tokens per prompt, `batch_size` prompts per call
+    (static batching); returns output tok/s."""
+    import torch
+    gen = {"do_sample": False, "max_new_tokens": output_len, "min_new_tokens": output_len,
+           "pad_token_id": tok.pad_token_id}
     with torch.inference_mode():
-        model.generate(**tok(prompts[:1], return_tensors="pt"), max_new_tokens=2, pad_token_id=tok.pad_token_id)
-        k = min(args.hf_sequential, len(prompts))
         t = time.perf_counter()
-        for p in prompts[:k]:
-            model.generate(**tok([p], return_tensors="pt"), **gen)
-        res["sequential_tok_s"] = k * args.output_len / (time.perf_counter() - t)
-        res["sequential_measured"] = k
-        t = time.perf_counter()
-        for i in range(0, len(prompts), args.concurrency):
-            model.generate(**tok(prompts[i:i + args.concurrency], return_tensors="pt", padding=True), **gen)
-        res["static_tok_s"] = len(prompts) * args.output_len / (time.perf_counter() - t)
-    return res
+        for i in range(0, len(prompts), batch_size):
+            model.generate(**tok(prompts[i:i + batch_size], return_tensors="pt", padding=True), **gen)
+        return len(prompts) * output_len / (time.perf_counter() - t)
+
+
+def bench_hf(args, prompts: list[str]) -> dict:
+    model, tok = load_hf(args.model, args.dtype, args.threads)
+    hf_generate(model, tok, prompts[:1], 2, 1)   # warm-up
+    k = min(args.hf_sequential, len(prompts))
+    return {"sequential_tok_s": hf_generate(model, tok, prompts[:k], args.output_len, 1), "sequential_measured": k,
+            "static_tok_s": hf_generate(model, tok, prompts, args.output_len, args.concurrency)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -89,6 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hf-sequential", type=int, default=4,
                     help="requests HF runs one at a time (its tok/s is measured on these)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--quantization", default=None, choices=["int8"], help="plait's weights (HF stays float)")
+    ap.add_argument("--skip-roofline", action="store_true", help="do not measure the machine's limits")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
 
@@ -97,6 +104,10 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"config": vars(args), "load_avg": os.getloadavg(), "plait": bench_plait(args, prompts)}
     if not args.skip_hf:
         result["hf"] = bench_hf(args, prompts)
+    if not args.skip_roofline:
+        from plait.benchmarks.roofline import roofline
+        r = roofline(args.model, args.dtype, args.quantization, args.threads)
+        result["roofline"] = {k: r[k] for k in ("batch1_tok_s", "large_batch_tok_s", "peak_gflops")}
     print_table(result)
     if args.json:
         with open(args.json, "w") as f:
@@ -106,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def print_table(r: dict) -> None:
     c, p = r["config"], r["plait"]
-    print(f"\nmodel {c['model']}  dtype {c['dtype']}  threads {c['threads']}  "
+    print(f"\nmodel {c['model']}  dtype {c['dtype']}  weights {c.get('quantization') or c['dtype']}  threads {c['threads']}  "
           f"{c['num_requests']} requests x {c['output_len']} tokens at concurrency {c['concurrency']}  "
           f"(load avg {r['load_avg'][0]:.2f})")
     print(f"{'':38}{'tok/s':>10}{'plait ratio':>14}")
@@ -118,6 +129,11 @@ def print_table(r: dict) -> None:
               f"{h['sequential_tok_s']:10.1f}{p['batch_tok_s'] / h['sequential_tok_s']:13.2f}x")
         print(f"{'HF generate, static batches':38}{h['static_tok_s']:10.1f}{p['batch_tok_s'] / h['static_tok_s']:13.2f}x")
         print(f"{'single request: plait / HF':38}{'':10}{p['single_tok_s'] / h['sequential_tok_s']:13.2f}x")
+    if "roofline" in r:
+        from plait.benchmarks.roofline import fraction_line
+        print(fraction_line("plait single request vs batch-1 bandwidth", p["single_tok_s"], r["roofline"]["batch1_tok_s"]))
+        print(fraction_line("plait concurrent vs large-batch compute", p["batch_tok_s"],
+                            r["roofline"]["large_batch_tok_s"]))
 
 
 if __name__ == "__main__":

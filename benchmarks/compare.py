@@ -1,0 +1,244 @@
+"""plait side by side with the peers installed here, one workload, one run, alternating.
+
+Workload: greedy chat completions of exactly --output-len tokens, in waves of C requests at
+concurrency C (C in --concurrency, default 1 8 32), output tok/s. Engines, taking turns at each
+level so that a change in machine load hits all of them:
+- plait (`plait.Engine`, in this process);
+- HF transformers `generate`, one request at a time and statically batched (C per call);
+- llama.cpp on the same GGUF, when a `llama-server` binary is on PATH (continuous batching with
+  C slots) or `llama-cpp-python` is installed (its server); otherwise "llama.cpp: not found".
+
+Writes the results as JSON (--json) and a PNG of throughput against concurrency (--plot; needs
+matplotlib: pip install 'plait[bench]').
+
+    plait bench compare --output-len 64 --json compare.json --plot compare.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+# --- llama.cpp ------------------------------------------------------------------------------------
+def gguf_for(model: str) -> str | None:
+    """The GGUF file behind `model` (the bundled default's, or a .gguf path); None for HF folders."""
+    from plait.runtime import model_loader
+    if model.lower() in model_loader._DEFAULT_ALIASES:
+        return model_loader._bundled_smollm2_gguf()
+    return model if model.lower().endswith(".gguf") and os.path.isfile(model) else None
+
+
+def llama_cpp_command(gguf: str, port: int, threads: int, slots: int, ctx_per_slot: int) -> list[str] | None:
+    """The command that serves `gguf` with llama.cpp, or None when llama.cpp is not installed."""
+    binary = shutil.which("llama-server")
+    if binary:
+        return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+                "-np", str(slots), "-c", str(slots * ctx_per_slot), "-cb", "--log-disable"]
+    try:
+        import llama_cpp.server  # noqa: F401
+    except ImportError:
+        return None
+    # llama-cpp-python's server runs one sequence at a time.
+    return [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", str(port),
+            "--n_threads", str(threads), "--n_ctx", str(ctx_per_slot)]
+
+
+class LlamaCppServer:
+    """A llama.cpp server subprocess, driven through its OpenAI-style /v1/completions."""
+
+    def __init__(self, command: list[str], port: int, timeout: float = 300.0):
+        import httpx
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.client = httpx.Client(timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama.cpp server exited with code {self.proc.returncode}: {' '.join(command)}")
+            try:
+                if self.client.get(f"{self.url}/v1/models").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError("llama.cpp server did not become ready")
+            time.sleep(0.5)
+
+    def complete(self, prompt: str, max_tokens: int) -> int:
+        """One greedy completion; the number of tokens generated."""
+        r = self.client.post(f"{self.url}/v1/completions", json={
+            "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "cache_prompt": False})
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"]
+
+    def run(self, prompts: list[str], output_len: int, concurrency: int) -> float:
+        """Output tok/s with `concurrency` requests in flight."""
+        t = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            tokens = sum(pool.map(lambda p: self.complete(p, output_len), prompts))
+        return tokens / (time.perf_counter() - t)
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+# --- the run --------------------------------------------------------------------------------------
+def plait_run(engine, prompts: list[str], output_len: int, concurrency: int) -> float:
+    """Output tok/s of plait with waves of `concurrency` requests."""
+    params = {"temperature": 0, "max_new_tokens": output_len, "ignore_eos": True}
+    engine.flush_cache()   # every engine starts cold: no prefix reuse from an earlier level
+    t = time.perf_counter()
+    tokens = 0
+    for i in range(0, len(prompts), concurrency):
+        tokens += sum(len(o["output_ids"]) for o in engine.generate(prompts[i:i + concurrency], params))
+    return tokens / (time.perf_counter() - t)
+
+
+def compare(args) -> dict:
+    """Run every engine at every concurrency, alternating; returns {engine: {C: tok/s}} and notes."""
+    from plait.benchmarks.offline import hf_generate, load_hf, make_prompts
+    from plait.runtime.model_loader import load_tokenizer, resolve_model
+
+    import plait
+    prompts = make_prompts(load_tokenizer(resolve_model(args.model)), max(args.concurrency) * args.waves)
+    levels = sorted(args.concurrency)
+    results: dict = {"plait": {}, "hf_static": {}, "hf_sequential": {}}
+    notes: list[str] = []
+    llama = None
+    gguf = gguf_for(args.model)
+    command = None if gguf is None or args.skip_llama_cpp else llama_cpp_command(
+        gguf, args.llama_port, args.threads, max(levels), args.ctx_per_slot)
+    if args.skip_llama_cpp:
+        notes.append("llama.cpp: skipped")
+    elif gguf is None:
+        notes.append(f"llama.cpp: no GGUF for model {args.model!r}")
+    elif command is None:
+        notes.append("llama.cpp: not found (no llama-server on PATH, no llama-cpp-python)")
+    else:
+        llama = LlamaCppServer(command, args.llama_port)
+        results["llama.cpp"] = {}
+        notes.append(f"llama.cpp: {command[0]} on {gguf}")
+    hf, tok = load_hf(args.model, args.dtype, args.threads)
+    try:
+        with plait.Engine(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                          num_threads=args.threads, max_running_requests=max(levels),
+                          max_total_tokens=args.max_total_tokens) as engine:
+            engine.generate(prompts[0], {"max_new_tokens": 2})   # warm-ups
+            hf_generate(hf, tok, prompts[:1], 2, 1)
+            for c in levels:
+                batch = prompts[:c * args.waves]
+                results["plait"][c] = plait_run(engine, batch, args.output_len, c)
+                results["hf_static"][c] = hf_generate(hf, tok, batch, args.output_len, c)
+                if llama is not None:
+                    results["llama.cpp"][c] = llama.run(batch, args.output_len, c)
+                # HF one at a time does not depend on C: measured on a few requests, once.
+                if c == levels[0]:
+                    k = min(args.hf_sequential, len(prompts))
+                    results["hf_sequential"][c] = hf_generate(hf, tok, prompts[:k], args.output_len, 1)
+                print(f"  C={c}: " + "  ".join(f"{name} {r[c]:.1f}" for name, r in results.items() if c in r),
+                      flush=True)
+    finally:
+        if llama is not None:
+            llama.close()
+    seq = next(iter(results.pop("hf_sequential").values()))
+    results["hf_sequential"] = {c: seq for c in levels}
+    return {"results": results, "notes": notes}
+
+
+def print_table(out: dict) -> None:
+    r = out["results"]
+    levels = sorted(r["plait"])
+    print(f"\noutput tok/s  (load avg {out['load_avg'][0]:.2f})")
+    print(f"{'engine':24}" + "".join(f"{'C=' + str(c):>10}" for c in levels))
+    for name, row in r.items():
+        print(f"{name:24}" + "".join(f"{row[c]:10.1f}" for c in levels))
+    print("\nratio plait / peer")
+    for name, row in r.items():
+        if name != "plait":
+            print(f"{'plait / ' + name:24}" + "".join(f"{r['plait'][c] / row[c]:9.2f}x" for c in levels))
+    for note in out["notes"]:
+        print(note)
+    if "roofline" in out:
+        from plait.benchmarks.roofline import fraction_line
+        roof = out["roofline"]
+        print(fraction_line(f"plait at C={levels[0]} vs batch-1 bandwidth", r["plait"][levels[0]], roof["batch1_tok_s"]))
+        print(fraction_line(f"plait at C={levels[-1]} vs large-batch compute", r["plait"][levels[-1]],
+                            roof["large_batch_tok_s"]))
+
+
+def plot(out: dict, path: str) -> bool:
+    """Throughput against concurrency, one line per engine; False when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, row in out["results"].items():
+        levels = sorted(row)
+        ax.plot(levels, [row[c] for c in levels], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(f"{out['config']['model']} ({out['config']['dtype']}, {out['config']['threads']} threads)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="plait bench compare", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--quantization", default=None, choices=["int8"], help="plait's weights (HF stays float)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--waves", type=int, default=1, help="waves of C requests per level")
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--max-total-tokens", type=int, default=32768)
+    ap.add_argument("--hf-sequential", type=int, default=2, help="requests HF runs one at a time")
+    ap.add_argument("--skip-llama-cpp", action="store_true")
+    ap.add_argument("--llama-port", type=int, default=30901)
+    ap.add_argument("--ctx-per-slot", type=int, default=512, help="llama.cpp context per slot")
+    ap.add_argument("--skip-roofline", action="store_true")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--plot", help="write a PNG of throughput against concurrency here")
+    args = ap.parse_args(argv)
+    if min(args.concurrency) < 1 or args.waves < 1 or args.output_len < 1:
+        ap.error("--concurrency, --waves and --output-len must be >= 1")
+    out = {"config": vars(args), **compare(args)}
+    out["load_avg"] = os.getloadavg()
+    if not args.skip_roofline:
+        from plait.benchmarks.roofline import roofline
+        r = roofline(args.model, args.dtype, args.quantization, args.threads)
+        out["roofline"] = {k: r[k] for k in ("batch1_tok_s", "large_batch_tok_s", "peak_gflops")}
+    print_table(out)
+    if args.plot and not plot(out, args.plot):
+        print("plot skipped: matplotlib is not installed (pip install 'plait[bench]')")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return out
+
+
+if __name__ == "__main__":
+    main()

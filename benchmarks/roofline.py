@@ -1,0 +1,155 @@
+"""The machine's limits and what they mean for a model: memory bandwidth (GB/s), matmul throughput
+(GFLOP/s) per dtype and batch size, and from them the bandwidth-bound decode rate at batch 1
+(weight bytes read per token / bandwidth) and the compute-bound rate at large batch
+(2 x weight parameters FLOPs per token / peak matmul throughput). Weights only: attention over
+the KV cache and the per-step overhead are left out, so real rates sit below these ceilings.
+
+    plait bench roofline --model smollm2 --dtype float32 --quantization int8
+
+Other benchmarks call `roofline(...)` and print their rates as a fraction of it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+MATMUL_MS = (1, 32, 64, 1024)
+_cache: dict = {}
+
+
+def _best_seconds(fn, reps: int) -> float:
+    fn()   # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_bandwidth(size_mb: int = 512, reps: int = 5) -> dict:
+    """Best-of-`reps` GB/s of reading (a sum) and copying (read + write) a `size_mb` float32 tensor;
+    far larger than the caches."""
+    import torch
+    n = size_mb * 2**20 // 4
+    src, dst = torch.ones(n), torch.empty(n)
+    read = _best_seconds(lambda: src.sum(), reps)
+    copy = _best_seconds(lambda: dst.copy_(src), reps)
+    return {"read_gbs": n * 4 / read / 1e9, "copy_gbs": 2 * n * 4 / copy / 1e9}
+
+
+def measure_matmul(kind: str, m: int, n: int = 2048, k: int = 2048, reps: int = 5) -> float:
+    """GFLOP/s of `[m, k] x [k, n]` for kind float32 / bfloat16 (prepacked oneDNN when available,
+    as plait runs them) or int8 (plait's Int8Linear)."""
+    import torch
+    from plait.runtime.prepack import PackedLinear, prepack_available
+    from plait.runtime.quantization import Int8Linear
+    w = torch.randn(n, k) * 0.02
+    if kind == "int8":
+        layer, x = Int8Linear(w, None), torch.randn(m, k)
+    else:
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[kind]
+        w, x = w.to(dtype), torch.randn(m, k, dtype=dtype)
+        layer = PackedLinear(w, None) if prepack_available() else torch.nn.Linear(k, n, bias=False, dtype=dtype)
+        if not prepack_available():
+            layer.weight.data.copy_(w)
+    with torch.inference_mode():
+        seconds = _best_seconds(lambda: layer(x), reps)
+    return 2 * m * n * k / seconds / 1e9
+
+
+def measure_machine(threads: int | None = None, quick: bool = False) -> dict:
+    """Bandwidth and matmul GFLOP/s per kind and M (cached per process and thread count)."""
+    import torch
+    if threads:
+        torch.set_num_threads(threads)
+    key = (torch.get_num_threads(), quick)
+    if key not in _cache:
+        size, ms, dim = (32, (1, 32), 256) if quick else (512, MATMUL_MS, 2048)
+        machine = {"threads": key[0], **measure_bandwidth(size, reps=2 if quick else 5), "matmul_gflops": {}}
+        for kind in ("float32", "bfloat16", "int8"):
+            machine["matmul_gflops"][kind] = {m: measure_matmul(kind, m, dim, dim, reps=2 if quick else 5) for m in ms}
+        _cache[key] = machine
+    return _cache[key]
+
+
+def model_costs(config, kind: str) -> dict:
+    """Per decoded token: weight bytes read and FLOPs, counting the linear layers and the LM head
+    (embedding lookup, norms and attention are negligible at short context or left out)."""
+    h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv_heads = config.num_key_value_heads or heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    per_layer = h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h + 3 * h * inter
+    params = layers * per_layer + config.vocab_size * h
+    rows = layers * ((heads + 2 * kv_heads) * head_dim + h + 2 * inter + h) + config.vocab_size
+    bytes_per = {"float32": 4, "bfloat16": 2, "int8": 1}[kind]
+    weight_bytes = params * bytes_per + (rows * 4 if kind == "int8" else 0)   # + one float scale per row
+    return {"linear_params": params, "bytes_per_token": weight_bytes, "flops_per_token": 2 * params}
+
+
+def _kind(model_path: str, dtype: str, quantization: str | None) -> str:
+    if quantization == "int8":
+        return "int8"
+    if dtype == "auto":
+        import torch
+        from plait.runtime.model_loader import load_config
+        from plait.runtime.model_runner import resolve_dtype
+        return str(resolve_dtype("auto", load_config(model_path), torch.device("cpu"))).removeprefix("torch.")
+    return dtype
+
+
+def roofline(model: str = "smollm2", dtype: str = "float32", quantization: str | None = None,
+             threads: int | None = None, quick: bool = False) -> dict:
+    """Decode ceilings for `model` on this machine: `batch1_tok_s` (bandwidth-bound) and
+    `large_batch_tok_s` (compute-bound, at the best measured matmul throughput)."""
+    from plait.runtime.model_loader import load_config, resolve_model
+    path = resolve_model(model)
+    kind = _kind(path, dtype, quantization)
+    machine = measure_machine(threads, quick)
+    costs = model_costs(load_config(path), kind)
+    peak = max(machine["matmul_gflops"][kind].values())
+    return {"model": model, "kind": kind, "machine": machine, **costs, "peak_gflops": peak,
+            "batch1_tok_s": machine["read_gbs"] * 1e9 / costs["bytes_per_token"],
+            "large_batch_tok_s": peak * 1e9 / costs["flops_per_token"]}
+
+
+def fraction_line(label: str, tok_s: float, limit: float) -> str:
+    """`label: 12.3 tok/s = 45% of the 27.4 tok/s roofline`."""
+    return f"{label}: {tok_s:.1f} tok/s = {tok_s / limit:.0%} of the {limit:.1f} tok/s roofline"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="plait bench roofline", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--quantization", default=None, choices=["int8"])
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test, not a measurement)")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    r = roofline(args.model, args.dtype, args.quantization, args.threads, args.quick)
+    m = r["machine"]
+    print(f"\nthreads {m['threads']}  (load avg {os.getloadavg()[0]:.2f})")
+    print(f"memory bandwidth: read {m['read_gbs']:.1f} GB/s, copy {m['copy_gbs']:.1f} GB/s")
+    ms = sorted(next(iter(m["matmul_gflops"].values())))
+    print("matmul GFLOP/s  " + "".join(f"{'M=' + str(x):>10}" for x in ms))
+    for kind, row in m["matmul_gflops"].items():
+        print(f"{kind:16}" + "".join(f"{row[x]:10.1f}" for x in ms))
+    print(f"\nmodel {r['model']} as {r['kind']}: {r['linear_params'] / 1e6:.1f}M linear params, "
+          f"{r['bytes_per_token'] / 2**20:.1f} MiB read and {r['flops_per_token'] / 1e9:.2f} GFLOP per token")
+    print(f"batch-1 decode ceiling (bandwidth): {r['batch1_tok_s']:8.1f} tok/s")
+    print(f"large-batch decode ceiling (compute, {r['peak_gflops']:.0f} GFLOP/s): {r['large_batch_tok_s']:8.1f} tok/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
+    return r
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Smoke tests of `plait bench roofline / quality / compare` on a tiny model at tiny sizes, so that
+they keep running; plus the roofline's parameter count against the model itself."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+
+def test_roofline_counts_the_linear_weights(tiny_model_dirs):
+    from plait.benchmarks.roofline import model_costs
+    from plait.runtime.model_loader import load_config
+    from transformers import AutoModelForCausalLM
+    for arch in ("llama", "qwen2"):   # tied and untied LM head
+        path = tiny_model_dirs[arch]
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        linear = sum(m.weight.numel() for m in hf.modules() if isinstance(m, torch.nn.Linear))
+        config = load_config(path)
+        fp32, int8 = model_costs(config, "float32"), model_costs(config, "int8")
+        assert fp32["linear_params"] == linear
+        assert fp32["bytes_per_token"] == 4 * linear and fp32["flops_per_token"] == 2 * linear
+        assert linear < int8["bytes_per_token"] < 1.1 * linear   # one byte a weight plus row scales
+
+
+def test_roofline_quick(tiny_model_dirs, capsys):
+    from plait.benchmarks.roofline import main
+    r = main(["--model", tiny_model_dirs["llama"], "--quick", "--threads", "1", "--quantization", "int8"])
+    assert r["kind"] == "int8" and r["machine"]["read_gbs"] > 0
+    assert all(v > 0 for row in r["machine"]["matmul_gflops"].values() for v in row.values())
+    assert r["batch1_tok_s"] == pytest.approx(r["machine"]["read_gbs"] * 1e9 / r["bytes_per_token"])
+    assert r["large_batch_tok_s"] == pytest.approx(r["peak_gflops"] * 1e9 / r["flops_per_token"])
+    assert "batch-1 decode ceiling" in capsys.readouterr().out
+
+
+def test_quality_tiny(tiny_model_dirs, tmp_path):
+    from plait.benchmarks.quality import main
+    out = tmp_path / "q.json"
+    res = main(["--model", tiny_model_dirs["llama"], "--configs", "int8", "--num-prompts", "2", "--gen-len", "4",
+                "--threads", "1", "--json", str(out)])
+    assert set(res) == {"float32", "int8"}
+    assert res["float32"]["greedy_token_agreement"] == 1.0
+    for key in ("greedy_prefix_agreement", "greedy_token_agreement", "teacher_forced_agreement"):
+        assert 0.0 <= res["int8"][key] <= 1.0
+    assert math.isfinite(res["int8"]["perplexity"]) and res["int8"]["perplexity"] > 1
+    assert json.loads(out.read_text())["results"]["int8"]["perplexity"] == res["int8"]["perplexity"]
+
+
+def test_compare_tiny(tiny_model_dirs, tmp_path, capsys):
+    from plait.benchmarks.compare import main
+    out, png = tmp_path / "c.json", tmp_path / "c.png"
+    res = main(["--model", tiny_model_dirs["llama"], "--concurrency", "1", "2", "--output-len", "4",
+                "--hf-sequential", "1", "--threads", "1", "--skip-roofline", "--json", str(out), "--plot", str(png)])
+    assert set(res["results"]) == {"plait", "hf_static", "hf_sequential"}
+    assert all(set(row) == {1, 2} and min(row.values()) > 0 for row in res["results"].values())
+    assert any(n.startswith("llama.cpp: no GGUF") for n in res["notes"])   # a HF folder has no GGUF
+    printed = capsys.readouterr().out
+    assert "plait / hf_static" in printed
+    assert set(json.loads(out.read_text())["results"]) == set(res["results"])
+    try:
+        import matplotlib  # noqa: F401
+        assert png.stat().st_size > 0
+    except ImportError:
+        assert "plot skipped" in printed
+
+
+def test_llama_cpp_command_when_absent(monkeypatch):
+    from plait.benchmarks import compare
+    monkeypatch.setattr(compare.shutil, "which", lambda name: None)
+    monkeypatch.setitem(__import__("sys").modules, "llama_cpp.server", None)   # import fails
+    assert compare.llama_cpp_command("m.gguf", 1, 1, 1, 64) is None
+    monkeypatch.setattr(compare.shutil, "which", lambda name: "/opt/llama-server")
+    cmd = compare.llama_cpp_command("m.gguf", 1234, 2, 32, 512)
+    assert cmd[0] == "/opt/llama-server" and cmd[cmd.index("-np") + 1] == "32" and cmd[cmd.index("-c") + 1] == "16384"
