@@ -1,0 +1,713 @@
+"""Data parallelism: an HTTP router in front of several plait servers (replicas), and
+`plait serve --dp-size N`, which starts N replica servers on loopback and the router in front.
+
+The router forwards generate requests (`/generate`, `/v1/completions`, `/v1/chat/completions`,
+streaming passed through as it comes) to the replica a routing policy picks (`router_policy.py`:
+cache-aware by default), and the rest (`/flush_cache`, `/get_server_info`, `/metrics`, ...) to all
+replicas or to any one. A replica that stops answering (connection errors, a 5xx with a failed
+health probe, failed background health checks) leaves the rotation and its request is retried on
+another one (a stream only while nothing of it was sent); it comes back once healthy again.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response, StreamingResponse
+
+from .http_server import (
+    MAX_BODY_BYTES,
+    SSE_DONE,
+    ApiError,
+    GuardMiddleware,
+    bind_socket,
+    json_response,
+    sse,
+)
+from .router_policy import RoutingPolicy, ids_to_text, make_policy
+
+logger = logging.getLogger("plait.router")
+
+GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+HEALTH_INTERVAL_S = 5.0
+HEALTH_TIMEOUT_S = 5.0
+HEALTH_FAILURES_TO_DOWN = 2      # a timeout may be a busy machine; a refused connection is final at once
+CONNECT_TIMEOUT_S = 5.0
+REPLICA_START_TIMEOUT_S = 600.0
+# Response headers not passed through: hop-by-hop, or recomputed by our server.
+_DROP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server",
+                 "content-encoding"}
+
+
+@dataclasses.dataclass
+class Replica:
+    """One replica server as the router sees it."""
+    url: str
+    healthy: bool = True
+    in_flight: int = 0
+    routed: int = 0                 # requests sent to it (retries included)
+    failed_checks: int = 0          # consecutive failed health checks
+    last_error: str | None = None
+    pid: int | None = None          # when the router started it (--dp-size)
+
+    def describe(self) -> dict[str, Any]:
+        """The replica's entry in the router's /get_server_info."""
+        out = {"url": self.url, "healthy": self.healthy, "in_flight": self.in_flight, "routed": self.routed,
+               "last_error": self.last_error}
+        if self.pid is not None:
+            out["pid"] = self.pid
+        return out
+
+
+class _Retry(Exception):
+    """This attempt failed in a way another replica may not: try the next one."""
+
+    def __init__(self, response: Response | None = None):
+        self.response = response    # the replica's own error answer, sent if no replica is left
+
+
+# --- routing text -----------------------------------------------------------------------------
+def _first_prompt(value: Any) -> str:
+    """The routing text of a prompt field: a string, token ids, or (a batch) its first item."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return ids_to_text(value)
+        return _first_prompt(value[0])
+    return ""
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):   # OpenAI content parts
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def routing_text(path: str, body: Any) -> str:
+    """The text a request is routed by: the prompt (or its first item for a batch), token ids as
+    characters, or chat messages' contents concatenated with their roles. '' if there is none."""
+    if not isinstance(body, dict):
+        return ""
+    if path == "/v1/chat/completions":
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return ""
+        return "".join(f"{m.get('role')}: {_content_text(m.get('content'))}\n"
+                       for m in messages if isinstance(m, dict))
+    if path == "/v1/completions":
+        return _first_prompt(body.get("prompt"))
+    if body.get("text") is not None:
+        return _first_prompt(body.get("text"))
+    return _first_prompt(body.get("input_ids"))
+
+
+async def read_body(request: Request) -> bytes:
+    """The raw request body; 413 past MAX_BODY_BYTES (chunked bodies included)."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    return bytes(body)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class ClientGone(Exception):
+    """The client went away while the router waited on a replica."""
+
+
+async def _race_disconnect(request: Request, aw: Any) -> Any:
+    """Await `aw`; cancel it and raise ClientGone if the client disconnects first (the body has
+    been read, so the next ASGI message is the disconnect). Cancelling closes the connection to
+    the replica, which then aborts the request."""
+    task = asyncio.ensure_future(aw)
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone()
+    finally:
+        for t in (task, gone):
+            if not t.done():
+                t.cancel()
+
+
+# --- metrics ----------------------------------------------------------------------------------
+class RouterMetrics:
+    """The router's own Prometheus metrics, in a registry of their own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("plait_router_requests", "Requests the router sent to a replica, by replica "
+                                "and answer status (0: no answer)", ["replica", "status"], registry=self.registry)
+        self.retries = Counter("plait_router_retries", "Requests retried on another replica", registry=self.registry)
+        self.healthy = Gauge("plait_router_replica_healthy", "1 while a replica is in rotation", ["replica"],
+                             registry=self.registry)
+        self.in_flight = Gauge("plait_router_replica_in_flight", "Requests in flight per replica", ["replica"],
+                               registry=self.registry)
+
+    def render(self, replicas: Sequence[Replica]) -> bytes:
+        for r in replicas:
+            self.healthy.labels(replica=r.url).set(1 if r.healthy else 0)
+            self.in_flight.labels(replica=r.url).set(r.in_flight)
+        return generate_latest(self.registry)
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?(\s.*)$")
+
+
+def label_metrics(text: str, replica: str, seen_meta: set[str]) -> list[str]:
+    """A replica's Prometheus exposition with `replica="URL"` added to every sample; HELP / TYPE
+    lines only the first time a metric is met (they may appear once per exposition)."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            if line not in seen_meta:
+                seen_meta.add(line)
+                out.append(line)
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name, labels, rest = m.groups()
+        inner = labels[1:-1] if labels else ""
+        out.append(f'{name}{{replica="{replica}"{"," + inner if inner else ""}}}{rest}')
+    return out
+
+
+# --- the router -------------------------------------------------------------------------------
+class Router:
+    """Routing state shared by the route handlers: replicas, policy, HTTP client, health loop."""
+
+    def __init__(self, urls: Sequence[str], policy: RoutingPolicy, worker_api_key: str | None = None,
+                 health_interval: float = HEALTH_INTERVAL_S, health_timeout: float = HEALTH_TIMEOUT_S,
+                 pids: Sequence[int] | None = None):
+        if not urls:
+            raise ValueError("the router needs at least one worker URL")
+        self.replicas: dict[str, Replica] = {}
+        for i, url in enumerate(urls):
+            url = url.rstrip("/")
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"worker URL {url!r} must start with http:// or https://")
+            if url in self.replicas:
+                raise ValueError(f"worker URL {url!r} is given twice")
+            self.replicas[url] = Replica(url, pid=pids[i] if pids else None)
+        self.policy = policy
+        self.worker_api_key = worker_api_key
+        self.health_interval = health_interval
+        self.health_timeout = health_timeout
+        self.metrics = RouterMetrics()
+        self.client: httpx.AsyncClient | None = None
+
+    # --- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Open the HTTP client (inside the server's event loop)."""
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S), limits=limits)
+
+    async def stop(self) -> None:
+        """Close the HTTP client."""
+        if self.client is not None:
+            await self.client.aclose()
+
+    async def health_loop(self) -> None:
+        """Check every replica every `health_interval` seconds, the first time at once."""
+        while True:
+            await asyncio.gather(*(self.check(r) for r in self.replicas.values()))
+            await asyncio.sleep(self.health_interval)
+
+    # --- health -----------------------------------------------------------------------------
+    async def probe(self, replica: Replica) -> str | None:
+        """GET /health on the replica: None if it answers 200, else why not."""
+        try:
+            resp = await self.client.get(replica.url + "/health", timeout=self.health_timeout)
+        except httpx.ConnectError as e:
+            return f"connection refused: {e}" if str(e) else "connection refused"
+        except httpx.HTTPError as e:
+            return f"{type(e).__name__}: {e}"
+        return None if resp.status_code == 200 else f"/health answered {resp.status_code}"
+
+    async def check(self, replica: Replica) -> bool:
+        """One health check; takes the replica out of rotation or puts it back."""
+        error = await self.probe(replica)
+        if error is None:
+            replica.failed_checks = 0
+            if not replica.healthy:
+                logger.info("replica %s is healthy again", replica.url)
+                replica.healthy, replica.last_error = True, None
+            return True
+        replica.failed_checks += 1
+        if replica.healthy and (error.startswith("connection refused")
+                                or replica.failed_checks >= HEALTH_FAILURES_TO_DOWN):
+            self.mark_down(replica, error)
+        return False
+
+    def mark_down(self, replica: Replica, reason: str) -> None:
+        """Take a replica out of rotation; what the policy knew of its cache is dropped (a
+        replica that comes back has most likely restarted with an empty cache)."""
+        replica.last_error = reason
+        if replica.healthy:
+            logger.warning("replica %s taken out of rotation: %s", replica.url, reason)
+            replica.healthy = False
+            self.policy.forget(replica.url)
+
+    def healthy(self) -> list[Replica]:
+        """Replicas in rotation."""
+        return [r for r in self.replicas.values() if r.healthy]
+
+    def no_replica_error(self) -> ApiError:
+        """503 when no replica is in rotation."""
+        down = "; ".join(f"{r.url}: {r.last_error or 'unhealthy'}" for r in self.replicas.values())
+        return ApiError(503, f"no healthy replica to serve the request ({down})", code="no_healthy_replica",
+                        headers={"Retry-After": "1"})
+
+    # --- forwarding -------------------------------------------------------------------------
+    def forward_headers(self, request: Request) -> dict[str, str]:
+        """Headers sent to a replica: the worker key when given, else the client's own
+        Authorization (for replicas that share the router's key)."""
+        headers = {k: request.headers[k] for k in ("content-type", "accept") if k in request.headers}
+        if self.worker_api_key:
+            headers["authorization"] = f"Bearer {self.worker_api_key}"
+        elif "authorization" in request.headers:
+            headers["authorization"] = request.headers["authorization"]
+        return headers
+
+    async def route(self, request: Request, path: str) -> Response:
+        """Forward a generate request to the replica the policy picks, retrying elsewhere while
+        replicas fail; 503 when none is left."""
+        raw = await read_body(request)
+        try:
+            body = json.loads(raw) if raw.strip() else None
+        except (ValueError, UnicodeDecodeError):
+            body = None                  # the replica answers the 400
+        text = routing_text(path, body)
+        stream = isinstance(body, dict) and body.get("stream") is True
+        headers = self.forward_headers(request)
+        tried: set[str] = set()
+        last_error: Response | None = None
+        while True:
+            loads = {r.url: r.in_flight for r in self.healthy() if r.url not in tried}
+            if not loads:
+                if last_error is not None:
+                    return last_error
+                raise self.no_replica_error()
+            if tried:
+                self.metrics.retries.inc()
+            replica = self.replicas[self.policy.choose(text, loads)]
+            tried.add(replica.url)
+            try:
+                return await self._attempt(request, replica, path, raw, headers, stream)
+            except _Retry as e:
+                last_error = e.response or last_error
+
+    async def _attempt(self, request: Request, replica: Replica, path: str, raw: bytes,
+                       headers: dict[str, str], stream: bool) -> Response:
+        replica.in_flight += 1
+        replica.routed += 1
+        handed_over = False     # a streaming response then owns the in-flight count
+        resp: httpx.Response | None = None
+        try:
+            req = self.client.build_request("POST", replica.url + path, content=raw, headers=headers)
+            try:
+                resp = await _race_disconnect(request, self.client.send(req, stream=True))
+            except httpx.TransportError as e:
+                self.metrics.requests.labels(replica=replica.url, status="0").inc()
+                self.mark_down(replica, f"{type(e).__name__}: {e}")
+                raise _Retry() from None
+            self.metrics.requests.labels(replica=replica.url, status=str(resp.status_code)).inc()
+            if resp.status_code != 200 or not stream:
+                try:
+                    content = await _race_disconnect(request, resp.aread())
+                except httpx.TransportError as e:
+                    self.mark_down(replica, f"{type(e).__name__}: {e}")
+                    raise _Retry() from None
+                answer = _plain_response(resp, content)
+                if resp.status_code >= 500:
+                    await self._on_server_error(replica, resp.status_code, answer)
+                return answer
+            # Stream: the first chunk is read before answering, so a replica that dies now is
+            # still retried elsewhere (the client has seen nothing yet).
+            chunks = resp.aiter_raw()
+            try:
+                first = await _race_disconnect(request, chunks.__anext__())
+            except StopAsyncIteration:
+                first = b""
+            except httpx.TransportError as e:
+                self.mark_down(replica, f"{type(e).__name__}: {e}")
+                raise _Retry() from None
+            handed_over = True
+            return RelayStream(self._relay(replica, first, chunks), resp, replica,
+                               headers=_pass_headers(resp))
+        finally:
+            if not handed_over:
+                replica.in_flight -= 1
+                if resp is not None:
+                    await resp.aclose()
+
+    async def _on_server_error(self, replica: Replica, status: int, answer: Response) -> None:
+        """A 5xx: a 503 (overloaded, shutting down) is tried elsewhere; another 5xx too if the
+        replica fails a health probe (it is dying), else it is the answer."""
+        if status == 503:
+            raise _Retry(answer)
+        error = await self.probe(replica)
+        if error is not None:
+            self.mark_down(replica, f"answered {status}, then {error}")
+            raise _Retry(answer)
+
+    async def _relay(self, replica: Replica, first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """The stream's bytes as they come; a replica failing mid-stream ends it with an error event."""
+        if first:
+            yield first
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except httpx.TransportError as e:
+            self.mark_down(replica, f"{type(e).__name__}: {e}")
+            yield sse(ApiError(502, f"replica {replica.url} failed mid-stream", "server_error",
+                               "replica_failed").body()).encode()
+            yield SSE_DONE.encode()
+
+    async def any_replica(self, request: Request, method: str, path: str) -> Response:
+        """Forward a request that any replica can answer to the first healthy one that does."""
+        headers = self.forward_headers(request)
+        raw = await read_body(request) if method == "POST" else None
+        for replica in self.healthy():
+            try:
+                resp = await self.client.request(method, replica.url + path, content=raw, headers=headers,
+                                                 timeout=60)
+            except httpx.TransportError as e:
+                self.mark_down(replica, f"{type(e).__name__}: {e}")
+                continue
+            return _plain_response(resp, resp.content)
+        raise self.no_replica_error()
+
+    async def all_replicas(self, request: Request, method: str, path: str) -> list[tuple[Replica, Any]]:
+        """Send the same request to every healthy replica: (replica, httpx response or exception)."""
+        headers = self.forward_headers(request)
+        raw = await read_body(request) if method == "POST" else None
+        replicas = self.healthy()
+        if not replicas:
+            raise self.no_replica_error()
+
+        async def one(r: Replica) -> Any:
+            try:
+                return await self.client.request(method, r.url + path, content=raw, headers=headers, timeout=60)
+            except httpx.HTTPError as e:
+                if isinstance(e, httpx.TransportError):
+                    self.mark_down(r, f"{type(e).__name__}: {e}")
+                return e
+        return list(zip(replicas, await asyncio.gather(*(one(r) for r in replicas))))
+
+    async def server_info(self, request: Request) -> dict[str, Any]:
+        """Per-replica server info (healthy replicas asked), with totals over them."""
+        answers = {r.url: a for r, a in await self._gather_healthy(request, "/get_server_info")}
+        entries, totals = [], {}
+        for r in self.replicas.values():
+            entry = r.describe()
+            a = answers.get(r.url)
+            if isinstance(a, httpx.Response) and a.status_code == 200:
+                entry["server_info"] = info = a.json()
+                for key in ("num_prompt_tokens", "num_cached_tokens", "num_generated_tokens", "num_running",
+                            "num_waiting"):
+                    if isinstance(info.get(key), (int, float)):
+                        totals[key] = totals.get(key, 0) + info[key]
+            elif a is not None:
+                entry["error"] = f"HTTP {a.status_code}" if isinstance(a, httpx.Response) else \
+                    f"{type(a).__name__}: {a}"
+            entries.append(entry)
+        prompt = totals.get("num_prompt_tokens", 0)
+        return {"router": True, "policy": self.policy.name, "dp_size": len(self.replicas),
+                "num_healthy_replicas": len(self.healthy()), **totals,
+                "cache_hit_rate": totals.get("num_cached_tokens", 0) / prompt if prompt else 0.0,
+                "replicas": entries}
+
+    async def _gather_healthy(self, request: Request, path: str) -> list[tuple[Replica, Any]]:
+        if not self.healthy():
+            return []
+        return await self.all_replicas(request, "GET", path)
+
+
+class RelayStream(StreamingResponse):
+    """A streamed replica answer passed through; the replica connection and the in-flight count
+    are released however it ends (finished, failed, client gone, or never started)."""
+
+    def __init__(self, content: AsyncIterator[bytes], upstream: httpx.Response, replica: Replica,
+                 headers: dict[str, str]):
+        super().__init__(content, headers=headers)
+        self.upstream = upstream
+        self.replica = replica
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.replica.in_flight -= 1
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()
+            with contextlib.suppress(Exception):
+                await self.upstream.aclose()
+
+
+def _pass_headers(resp: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in resp.headers.items() if k.lower() not in _DROP_HEADERS}
+
+
+def _plain_response(resp: httpx.Response, content: bytes) -> Response:
+    return Response(content, status_code=resp.status_code, headers=_pass_headers(resp))
+
+
+# --- the app ----------------------------------------------------------------------------------
+def create_router_app(router: Router, api_key: str | None = None, ready_message: str | None = None) -> FastAPI:
+    """The router's FastAPI app. `api_key` is the router's own key (every route but /health)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await router.start()
+        task = asyncio.create_task(router.health_loop())
+        if ready_message:
+            print(ready_message, flush=True)
+        try:
+            yield
+        finally:
+            task.cancel()
+            await router.stop()
+
+    app = FastAPI(title="plait router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.router = router
+
+    for path in GENERATE_PATHS:
+        app.add_api_route(path, _generate_handler(router, path), methods=["POST"])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not router.healthy():
+            return router.no_replica_error().response()
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        return await router.any_replica(request, "GET", "/health_generate")
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def model_info(request: Request) -> Response:
+        return await router.any_replica(request, "GET", "/get_model_info")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await router.any_replica(request, "GET", "/v1/models")
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def server_info(request: Request) -> Response:
+        return json_response(await router.server_info(request))
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(request: Request) -> Response:
+        answers = await router.all_replicas(request, request.method, "/flush_cache")
+        for replica, a in answers:
+            if not isinstance(a, httpx.Response):
+                raise ApiError(502, f"replica {replica.url} did not answer /flush_cache: {a}")
+            if a.status_code != 200:
+                return _plain_response(a, a.content)
+        return json_response({"success": True, "message": f"cache flushed on {len(answers)} replica(s)"})
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        # The router does not keep rids; the replica that holds it aborts it, the others ignore it.
+        answers = await router.all_replicas(request, "POST", "/abort_request")
+        found = any(isinstance(a, httpx.Response) and a.status_code == 200 and a.json().get("found")
+                    for _, a in answers)
+        bad = next((a for _, a in answers if isinstance(a, httpx.Response) and a.status_code != 200), None)
+        if bad is not None:
+            return _plain_response(bad, bad.content)
+        return json_response({"success": True, "found": found})
+
+    @app.post("/concate_and_append_request")
+    async def concate_and_append_request() -> Response:
+        return json_response({"success": True})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        lines = [router.metrics.render(list(router.replicas.values())).decode()]
+        seen: set[str] = set()
+        for replica, a in await router._gather_healthy(request, "/metrics"):
+            if isinstance(a, httpx.Response) and a.status_code == 200:
+                lines += label_metrics(a.text, replica.url, seen)
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    _add_router_error_handlers(app)
+    app.add_middleware(GuardMiddleware, api_key=api_key)
+    return app
+
+
+def _generate_handler(router: Router, path: str) -> Callable:
+    async def handler(request: Request) -> Response:
+        return await router.route(request, path)
+    handler.__name__ = "route_" + path.strip("/").replace("/", "_")
+    return handler
+
+
+def _add_router_error_handlers(app: FastAPI) -> None:
+    """Every error in the OpenAI shape, never a traceback."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        return ApiError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})).response()
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        logger.error("unhandled error on %s %s: %r", request.method, request.url.path, exc)
+        return ApiError(500, f"internal router error ({type(exc).__name__})").response()
+
+
+def run_router(router: Router, host: str, port: int, api_key: str | None = None,
+               sock: socket.socket | None = None, log_level: str = "warning",
+               ready_message: str | None = None) -> None:
+    """Serve the router until SIGINT / SIGTERM."""
+    import uvicorn
+    logging.getLogger("httpx").setLevel(logging.WARNING)   # not a line per health check
+    sock = sock or bind_socket(host, port)
+    try:
+        shown = f"[{host}]" if ":" in host else host
+        app = create_router_app(router, api_key, ready_message or
+                                f"plait: router ready ({router.policy.name}, {len(router.replicas)} "
+                                f"replica(s)) at http://{shown}:{port}")
+        config = uvicorn.Config(app, log_level=log_level.lower(), access_log=False, timeout_graceful_shutdown=3)
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+# --- plait serve --dp-size N --------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """In a child, before exec: get SIGTERM when the parent dies, so replicas never outlive it."""
+    import ctypes
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+
+
+def replica_command(engine_args: dict[str, Any], port: int, extra: Sequence[str] = ()) -> list[str]:
+    """`plait serve` for one replica on loopback `port` with these engine arguments (its API key
+    goes in the environment, PLAIT_API_KEY, where other users cannot read it)."""
+    cmd = [sys.executable, "-m", "plait.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *extra]
+    for key, value in engine_args.items():
+        if value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        cmd += [flag] if value is True else [flag, str(value)]
+    return cmd
+
+
+def replica_engine_args(engine_args: dict[str, Any], dp_size: int, index: int) -> dict[str, Any]:
+    """One replica's engine arguments: the CPU threads split between replicas, and on CUDA one
+    device each when no index was given."""
+    args = dict(engine_args)
+    threads = args.get("num_threads") or os.cpu_count() or 1
+    args["num_threads"] = max(1, threads // dp_size)
+    if args.get("device") == "cuda" and (args.get("tp_size") or 1) == 1:
+        args["device"] = f"cuda:{index}"
+    return args
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(procs: list[subprocess.Popen], urls: list[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    pending = dict(zip(urls, procs))
+    while pending:
+        for url, proc in list(pending.items()):
+            if proc.poll() is not None:
+                raise RuntimeError(f"replica {url} exited with code {proc.returncode} while starting")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    del pending[url]
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"replicas {', '.join(pending)} did not become healthy in {timeout:.0f} s")
+        time.sleep(0.2)
+
+
+def _exit_quietly(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def _stop(procs: list[subprocess.Popen], timeout: float = 20.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def serve_data_parallel(engine_args: dict[str, Any], dp_size: int, host: str, port: int,
+                        api_key: str | None, sock: socket.socket, replica_flags: Sequence[str] = (),
+                        policy: str = "cache_aware", log_level: str = "warning") -> None:
+    """`plait serve --dp-size N`: N replica servers (`plait serve` children on loopback ports,
+    the same engine arguments, the CPU threads split) and the router in front on host:port.
+    The replicas are stopped with the router; they also die with this process."""
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn re-raises SIGTERM once it has stopped; exit through `finally` then, so that the
+        # replicas are stopped and waited for rather than left to their parent-death signal.
+        signal.signal(signal.SIGTERM, _exit_quietly)
+    worker_key = secrets.token_urlsafe(24)   # the replicas answer only the router
+    ports = [_free_port() for _ in range(dp_size)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PLAIT_API_KEY": worker_key}
+    procs: list[subprocess.Popen] = []
+    try:
+        for i, p in enumerate(ports):
+            cmd = replica_command(replica_engine_args(engine_args, dp_size, i), p, replica_flags)
+            # preexec_fn: no thread of ours runs yet (the router starts after the replicas)
+            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent  # noqa: PLW1509
+                                          if sys.platform == "linux" else None))
+        _wait_healthy(procs, urls, REPLICA_START_TIMEOUT_S)
+        router = Router(urls, make_policy(policy), worker_api_key=worker_key, pids=[p.pid for p in procs])
+        shown = f"[{host}]" if ":" in host else host
+        run_router(router, host, port, api_key, sock=sock, log_level=log_level,
+                   ready_message=f"plait: ready, serving {engine_args.get('model')} with {dp_size} replicas "
+                                 f"at http://{shown}:{port}")
+    finally:
+        _stop(procs)
