@@ -1,0 +1,430 @@
+"""Tensor parallelism on torch.distributed: the process group, the sharded layers, and the channel
+over which rank 0 hands every step's batch to the other ranks.
+
+Megatron-style sharding: a column-parallel projection keeps a slice of the output features on each
+rank (no communication), the row-parallel projection after it keeps the matching slice of its
+input features and sums the partial results with one all-reduce. Attention heads follow the
+column split (KV heads are replicated when there are fewer of them than ranks); the embedding and
+the LM head split the vocabulary. At `tp_size == 1` every layer is a plain local op: nothing here
+calls torch.distributed.
+
+Backends: gloo on the CPU, NCCL on CUDA. Collective failures (a peer that died, a timeout) are
+raised as `RankFailure`, which the scheduler treats as fatal.
+"""
+from __future__ import annotations
+
+import datetime
+import io
+import logging
+import os
+import pickle
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+class RankFailure(RuntimeError):
+    """A collective failed: a rank died, hung past the timeout, or the group was torn down."""
+    fatal = True   # the ranks can no longer step together: the scheduler process exits
+
+
+@dataclass
+class _TPState:
+    rank: int = 0
+    size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+_tp = _TPState()
+
+
+def tp_rank() -> int:
+    """This process's tensor-parallel rank (0 when not distributed)."""
+    return _tp.rank
+
+
+def tp_size() -> int:
+    """Number of tensor-parallel ranks (1 when not distributed)."""
+    return _tp.size
+
+
+# --- launch -------------------------------------------------------------------------------------
+def ranks_on_this_node(args) -> list[int]:
+    """Global ranks that run on node `args.node_rank` (ranks are laid out node after node)."""
+    per_node = args.tp_size // args.nnodes
+    return list(range(args.node_rank * per_node, (args.node_rank + 1) * per_node))
+
+
+def threads_per_rank(args) -> int:
+    """Intra-op threads per rank: the cores (or `num_threads`) split over this node's ranks."""
+    total = args.num_threads or len(os.sched_getaffinity(0))
+    return max(1, total // len(ranks_on_this_node(args)))
+
+
+def rank_device(args, rank: int) -> torch.device:
+    """The device of `rank`: its local GPU index on CUDA, the CPU otherwise."""
+    device = torch.device(args.device)
+    if device.type != "cuda" or args.tp_size == 1:
+        return device
+    return torch.device("cuda", rank % (args.tp_size // args.nnodes))
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    """`host:port` (IPv6 hosts in brackets) -> (host, port)."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"dist_init_addr must be HOST:PORT, got {addr!r}")
+    return host.strip("[]"), int(port)
+
+
+def init_tensor_parallel(args, rank: int) -> None:
+    """Join the group of `args.tp_size` ranks (a no-op at tp_size 1). Rank 0 hosts the rendezvous
+    store, listening on `args.dist_init_addr` only (not on every interface)."""
+    if args.tp_size == 1:
+        return
+    import torch.distributed as dist
+    host, port = split_addr(args.dist_init_addr)
+    device = rank_device(args, rank)
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+        if host in ("127.0.0.1", "localhost", "::1"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # keep the data connections on loopback too
+    listener = None
+    if rank == 0:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((host, port))
+        except OSError as e:
+            listener.close()
+            raise ValueError(f"cannot listen on dist_init_addr {args.dist_init_addr}: {e.strerror or e}") from None
+        listener.listen(128)
+    try:
+        store = dist.TCPStore(host, port, args.tp_size, rank == 0, timeout,
+                              master_listen_fd=listener.fileno() if listener else None)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=args.tp_size, timeout=timeout)
+    except RuntimeError as e:   # DistError and its subclasses included
+        raise RankFailure(f"tensor-parallel rank {rank} could not join the group at "
+                          f"{args.dist_init_addr}: {e}") from None
+    finally:
+        if listener is not None:
+            listener.close()   # the store holds its own duplicate of the descriptor
+    _tp.rank, _tp.size, _tp.device = rank, args.tp_size, device
+    logger.info("tensor-parallel rank %d/%d up (%s)", rank, args.tp_size, backend)
+
+
+def destroy_tensor_parallel() -> None:
+    """Leave the group (best effort: peers may already be gone)."""
+    if _tp.size == 1:
+        return
+    import torch.distributed as dist
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        logger.debug("destroy_process_group failed", exc_info=True)
+    _tp.rank, _tp.size = 0, 1
+
+
+def _collective(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as e:   # DistBackendError and gloo's connection errors are RuntimeErrors
+        raise RankFailure(f"tensor-parallel collective failed on rank {_tp.rank}: {e}") from None
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum `x` over the ranks, in place; identity at tp_size 1."""
+    if _tp.size > 1:
+        import torch.distributed as dist
+        _collective(dist.all_reduce, x)
+    return x
+
+
+def all_reduce_min(value: int) -> int:
+    """The smallest of each rank's `value` (ranks agree on sizes such as the KV pool's)."""
+    if _tp.size == 1:
+        return value
+    import torch.distributed as dist
+    t = torch.tensor([value], dtype=torch.int64, device=_tp.device)
+    _collective(dist.all_reduce, t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
+    """Concatenate every rank's `x` along the last dim on rank 0 (None on the others)."""
+    if _tp.size == 1:
+        return x
+    import torch.distributed as dist
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(_tp.size)] if _tp.rank == 0 else None
+    _collective(dist.gather, x, parts, dst=0)
+    return torch.cat(parts, dim=-1) if parts is not None else None
+
+
+# --- layers -------------------------------------------------------------------------------------
+def balanced_split(units: int, what: str) -> tuple[int, int]:
+    """(first, count) of this rank's contiguous share of `units`; shares differ by at most one."""
+    size, rank = _tp.size, _tp.rank
+    if units < size:
+        raise ValueError(f"{what} ({units}) cannot be split over tp_size {size} ranks")
+    first = rank * units // size
+    return first, (rank + 1) * units // size - first
+
+
+def head_split(num_heads: int, kv_heads: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """This rank's (first, count) of query heads and of KV heads. Ranks take whole GQA groups
+    (a KV head with its query heads), as evenly as they divide; with fewer KV heads than ranks,
+    each KV head is replicated on `tp_size / kv_heads` ranks that split its group's query heads."""
+    size, rank = _tp.size, _tp.rank
+    group = num_heads // kv_heads
+    if kv_heads >= size:
+        kv_first, kv_count = balanced_split(kv_heads, "num_key_value_heads")
+        return (kv_first * group, kv_count * group), (kv_first, kv_count)
+    per_kv = size // kv_heads
+    if size % kv_heads or group < per_kv:
+        raise ValueError(f"tp_size {size} does not fit {num_heads} attention heads with {kv_heads} KV heads "
+                         f"(it must divide the KV heads, or be a multiple of them of at most {num_heads})")
+    kv, j = rank // per_kv, rank % per_kv
+    first, end = j * group // per_kv, (j + 1) * group // per_kv
+    return (kv * group + first, end - first), (kv, 1)
+
+
+class ColumnParallelLinear(nn.Module):
+    """`x @ W.T (+ b)` with W's output features split across ranks; the output stays split.
+
+    A fused projection lists its pieces in `output_sizes` (q, k, v or gate, up): each piece is split
+    on its own, so every rank holds its rows of each piece, concatenated in the same order.
+    `shards[i]` = (first row, rows) of piece i on this rank (default: a balanced split). The local
+    math is the plain `nn.Linear` in `self.linear` (so CPU prepacking can replace it).
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 shards: list[tuple[int, int]] | None = None, name: str = "output features"):
+        super().__init__()
+        shards = shards or [balanced_split(size, name) for size in output_sizes]
+        self.pieces = []   # (first global row, local rows, local offset) per piece
+        offset = 0
+        for first, rows in shards:
+            self.pieces.append((first, rows, offset))
+            offset += rows
+        self.output_sizes = [rows for _, rows in shards]   # local sizes, for splitting the output
+        self.linear = nn.Linear(input_size, offset, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+    def load_weight(self, param: str, loaded: torch.Tensor, piece: int = 0) -> None:
+        """Copy this rank's rows of piece `piece` of a full checkpoint tensor (`weight` or `bias`)."""
+        start, rows, offset = self.pieces[piece]
+        getattr(self.linear, param).data[offset:offset + rows].copy_(loaded.narrow(0, start, rows))
+
+    def weight_keys(self) -> list[str]:
+        """`param#piece` for everything `load_weight` must fill exactly once."""
+        params = ["weight"] + (["bias"] if self.linear.bias is not None else [])
+        return [f"{p}#{i}" for p in params for i in range(len(self.pieces))]
+
+
+class RowParallelLinear(nn.Module):
+    """`x @ W.T` with W's input features split across ranks (`x` arrives split, as a column-parallel
+    layer leaves it); the partial products are summed over the ranks with one all-reduce.
+    `shard` = (first column, columns) on this rank (default: a balanced split)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 shard: tuple[int, int] | None = None, name: str = "input features"):
+        super().__init__()
+        self.start, self.cols = shard or balanced_split(input_size, name)
+        self.linear = nn.Linear(self.cols, output_size, bias=False)
+        # A bias is added once, after the sum.
+        self.bias = nn.Parameter(torch.zeros(output_size)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        if _tp.size > 1:
+            all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+    def load_weight(self, param: str, loaded: torch.Tensor, piece: int = 0) -> None:
+        """Copy this rank's columns of the full weight (or the whole bias)."""
+        if param == "bias":
+            self.bias.data.copy_(loaded)
+        else:
+            self.linear.weight.data.copy_(loaded.narrow(1, self.start, self.cols))
+
+    def weight_keys(self) -> list[str]:
+        return ["weight#0"] + (["bias#0"] if self.bias is not None else [])
+
+
+def unwrap_single_rank(model: nn.Module) -> int:
+    """At tp_size 1, replace each (loaded) parallel linear by its plain `nn.Linear`: the model then
+    runs exactly the modules it would without tensor parallelism. Returns how many were replaced."""
+    if _tp.size != 1:
+        return 0
+    targets = [(name, mod) for name, mod in model.named_modules()
+               if isinstance(mod, ColumnParallelLinear) or (isinstance(mod, RowParallelLinear) and mod.bias is None)]
+    for name, mod in targets:
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, mod.linear)
+    return len(targets)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split across ranks in equal (padded) ranges; a rank
+    embeds the ids in its range, zeros the rest, and the all-reduce completes every row."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.per_rank = -(-vocab_size // _tp.size)
+        self.start = _tp.rank * self.per_rank
+        self.rows = max(0, min(self.per_rank, vocab_size - self.start))   # real (unpadded) rows here
+        self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden_size))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if _tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(x.masked_fill_(outside[:, None], 0))
+
+    def load_weight(self, param: str, loaded: torch.Tensor, piece: int = 0) -> None:
+        self.weight.data[:self.rows].copy_(loaded.narrow(0, self.start, self.rows))
+
+    def weight_keys(self) -> list[str]:
+        return ["weight#0"]
+
+
+class ParallelLMHead(nn.Module):
+    """Logits over the vocabulary split like `VocabParallelEmbedding` (whose weight it shares when
+    the embeddings are tied); the slices are gathered on rank 0, the only rank that samples."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tied: VocabParallelEmbedding | None = None):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self._tied = (tied,) if tied is not None else None   # a tuple: not a second submodule
+        if tied is None:
+            ref = VocabParallelEmbedding(vocab_size, hidden_size)   # same split, same loader
+            self.start, self.rows, self.per_rank = ref.start, ref.rows, ref.per_rank
+            self.weight = ref.weight
+        self.packed = None
+
+    def local_weight(self) -> torch.Tensor:
+        return self._tied[0].weight if self._tied else self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits `[N, vocab]` on rank 0; None on the other ranks."""
+        logits = self.packed(x) if self.packed is not None else F.linear(x, self.local_weight())
+        if _tp.size == 1:
+            return logits.float()
+        full = gather_last_dim(logits)
+        return None if full is None else full[:, :self.vocab_size].float()
+
+    def prepack(self) -> None:
+        """Hold the (local) weight in oneDNN's layout; CPU only."""
+        from .prepack import PackedLinear
+        self.packed = PackedLinear(self.local_weight(), None)
+        if not self._tied:
+            del self.weight   # the packed copy replaces it
+
+    def load_weight(self, param: str, loaded: torch.Tensor, piece: int = 0) -> None:
+        self.weight.data[:self.rows].copy_(loaded.narrow(0, self.start, self.rows))
+
+    def weight_keys(self) -> list[str]:
+        return [] if self._tied else ["weight#0"]
+
+
+# --- lockstep -----------------------------------------------------------------------------------
+FORWARD, KEEPALIVE, STOP = 0, 1, 2
+_ALIGN = 16   # every tensor starts at a multiple of this in the payload, so it can be viewed in place
+
+
+class _Packer(pickle.Pickler):
+    """Pickles an object with its tensors left out of band (recorded with their payload offsets)."""
+
+    def __init__(self, f: io.BytesIO):
+        super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[torch.Tensor] = []
+        self.nbytes = 0
+
+    def persistent_id(self, obj: Any):
+        if not isinstance(obj, torch.Tensor):
+            return None
+        flat = obj.detach().reshape(-1).contiguous()
+        self.tensors.append(flat)
+        pid = (self.nbytes, obj.dtype, tuple(obj.shape))
+        self.nbytes += -(-flat.numel() * flat.element_size() // _ALIGN) * _ALIGN
+        return pid
+
+
+class _Unpacker(pickle.Unpickler):
+    def __init__(self, f: io.BytesIO, data: torch.Tensor):
+        super().__init__(f)
+        self.data = data
+
+    def persistent_load(self, pid):
+        offset, dtype, shape = pid
+        n = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        return self.data[offset:offset + n].view(dtype).view(shape)
+
+
+class StepChannel:
+    """Rank 0 sends each step's batch (any picklable object; its tensors travel as one flat
+    buffer on the device) to every other rank, which run the same forward. Two broadcasts per
+    step: a fixed header (command, sizes), then the payload."""
+
+    def __init__(self):
+        self.header = torch.zeros(3, dtype=torch.int64, device=_tp.device)
+
+    def send(self, obj: Any) -> None:
+        """Rank 0: send `obj` (a ForwardBatch) to the other ranks."""
+        import torch.distributed as dist
+        f = io.BytesIO()
+        packer = _Packer(f)
+        packer.dump(obj)
+        meta = f.getvalue()
+        meta_len = -(-len(meta) // _ALIGN) * _ALIGN
+        payload = torch.empty(meta_len + packer.nbytes, dtype=torch.uint8, device=_tp.device)
+        payload[:len(meta)].copy_(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
+        offset = meta_len
+        for t in packer.tensors:
+            raw = t.view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
+            payload[offset:offset + raw.numel()].copy_(raw)
+            offset += -(-raw.numel() // _ALIGN) * _ALIGN
+        self._header(FORWARD, meta_len, payload.numel())
+        _collective(dist.broadcast, payload, src=0)
+
+    def keepalive(self) -> None:
+        """Rank 0, while idle: lets the others know it is alive (and find out whether they are)."""
+        self._header(KEEPALIVE, 0, 0)
+
+    def stop(self) -> None:
+        """Rank 0: tell the others to exit."""
+        self._header(STOP, 0, 0)
+
+    def recv(self) -> tuple[int, Any]:
+        """Ranks > 0: block for the next (command, batch); the batch is None unless FORWARD."""
+        import torch.distributed as dist
+        _collective(dist.broadcast, self.header, src=0)
+        cmd, meta_len, total = self.header.tolist()
+        if cmd != FORWARD:
+            return cmd, None
+        payload = torch.empty(total, dtype=torch.uint8, device=_tp.device)
+        _collective(dist.broadcast, payload, src=0)
+        meta = payload[:meta_len].cpu().numpy().tobytes()
+        return cmd, _Unpacker(io.BytesIO(meta), payload[meta_len:]).load()
+
+    def _header(self, cmd: int, meta_len: int, total: int) -> None:
+        import torch.distributed as dist
+        self.header.copy_(torch.tensor([cmd, meta_len, total], dtype=torch.int64))
+        _collective(dist.broadcast, self.header, src=0)
