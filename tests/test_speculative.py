@@ -1,0 +1,346 @@
+"""N-gram (prompt-lookup) speculative decoding: the draft index, the acceptance rule, and the
+scheduler producing exactly what decoding without speculation produces — greedy and seeded
+sampling, with stops, grammars, logprobs and retraction — with no KV slot leaked."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+from plait.runtime.model_runner import ModelRunner
+from plait.runtime.request import GenerateInput
+from plait.runtime.sampler import Sampler, SamplingBatch
+from plait.runtime.sampling_params import SamplingParams
+from plait.runtime.scheduler import Scheduler
+from plait.runtime.server_args import ServerArgs
+from plait.runtime.speculative import NgramIndex, accepted_prefix
+
+# --- the draft index ---------------------------------------------------------------------------
+
+
+def test_ngram_index_proposes_what_followed_the_latest_longest_match():
+    idx = NgramIndex(1, 3)
+    ids = [5, 6, 7, 8, 1, 5, 6, 7, 9, 2, 5, 6, 7]
+    # the suffix (5, 6, 7) occurred at 0 and 5: the latest one (followed by 9, 2, ...) wins
+    assert idx.propose(ids, 3) == [9, 2, 5]
+    ids += [9, 2, 5, 6, 3]        # now only the unigram (3,) is new: no earlier occurrence
+    assert idx.propose(ids, 4) == []
+    ids += [4, 7]                 # (4, 7) unseen; (7,) last seen followed by 9 (position 8)
+    assert idx.propose(ids, 2) == [9, 2]
+    assert idx.propose(ids, 0) == []
+
+
+def test_ngram_index_prefers_longer_matches_and_restarts_on_shrink():
+    idx = NgramIndex(1, 2)
+    ids = [1, 2, 3, 9, 2, 4, 1, 2]
+    # (1, 2) occurred at 0 (followed by 3); the unigram (2,) more recently (followed by 4)
+    assert idx.propose(ids, 1) == [3]
+    assert idx.propose([1, 2, 7, 2], 2) == [7, 2]   # a shorter sequence: re-indexed, not stale
+
+
+def test_ngram_index_is_incremental():
+    idx = NgramIndex(2, 4)
+    ids = list(range(50)) * 3
+    for n in range(10, len(ids)):
+        idx.propose(ids[:n], 4)
+    assert idx._done == len(ids) - 2     # each position indexed once, never re-scanned
+
+
+def test_accepted_prefix():
+    assert accepted_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert accepted_prefix([1, 2, 3], [1, 2, 3, 5]) == 3
+    assert accepted_prefix([1], [2, 5]) == 0
+
+
+# --- the acceptance rule on a crafted distribution ---------------------------------------------
+
+
+@pytest.mark.parametrize("params", [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9, "top_k": 5}])
+def test_acceptance_rule_for_a_point_mass_draft(params):
+    """The scheduler keeps draft t iff the sampler's draw at that position is t. Over many seeds:
+    kept with probability p(t), and on rejection the token follows p with t removed."""
+    V, n, draft = 8, 40_000, 2
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -4.0]])
+    p = SamplingParams(**params)
+    batch = SamplingBatch.build([p] * n, list(range(n)), [3] * n, [[0]] * n, [[]] * n, [7], V)
+    draws = Sampler()(logits.expand(n, V), batch)
+    # the processed distribution, as the sampler defines it (temperature, top-k, top-p)
+    probs = torch.softmax(logits[0] / p.temperature, dim=-1)
+    s, order = probs.sort(descending=True)
+    keep = torch.arange(V) < (p.top_k if p.top_k > 0 else V)
+    if p.top_p < 1.0:
+        keep &= (s.cumsum(0) - s) < p.top_p
+    target = torch.zeros(V)
+    target[order[keep]] = s[keep]
+    target /= target.sum()
+    accepted = (draws == draft).float().mean().item()
+    assert abs(accepted - target[draft].item()) < 0.01
+    rejected = draws[draws != draft]
+    freq = torch.bincount(rejected, minlength=V).float() / rejected.numel()
+    rest = target.clone()
+    rest[draft] = 0
+    rest /= rest.sum()
+    assert (freq - rest).abs().max().item() < 0.01
+
+
+# --- the scheduler, tiny model -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_runner(tiny_model_dirs):
+    return ModelRunner(ServerArgs(model=tiny_model_dirs["llama"], dtype="float32", max_total_tokens=4096))
+
+
+def make(runner, spec: bool, **kw) -> Scheduler:
+    args = {"model": runner.model_path, "dtype": "float32", "max_total_tokens": 4096,
+                "speculative_algorithm": "ngram" if spec else None}
+    args.update(kw)
+    return Scheduler(ServerArgs(**args), runner)
+
+
+class OracleDrafts:
+    """Stands in for a request's NgramIndex on the tiny random model (whose output never repeats
+    its input): proposes the reference continuation with every `wrong`-th position corrupted, so
+    verification sees full, partial and zero acceptance."""
+
+    def __init__(self, prompt_len: int, ref: list[int], wrong: int = 4):
+        self.prompt_len, self.ref, self.wrong = prompt_len, ref, wrong
+
+    def propose(self, ids: list[int], k: int) -> list[int]:
+        pos = len(ids) - self.prompt_len
+        return [t if (pos + i) % self.wrong else (t + 1) % 1000
+                for i, t in enumerate(self.ref[pos:pos + k])]
+
+
+def run_all(s: Scheduler, inputs: list[GenerateInput], oracle: dict | None = None) -> dict[str, tuple]:
+    """Run to completion; rid -> (output ids, finish reason, output logprobs)."""
+    for inp in inputs:
+        s.add_request(inp)
+    for req in [*s.waiting, *(r for r, _ in s.grammar_queue)]:
+        if oracle and req.rid in oracle:
+            req.ngram = OracleDrafts(len(req.origin_ids), oracle[req.rid][0])
+    out: dict[str, list] = {}
+    for _ in range(20_000):
+        if not s.has_work():
+            break
+        for o in s.step():
+            ids, _, lps = out.setdefault(o.rid, [[], None, []])
+            ids.extend(o.new_ids)
+            lps.extend(o.output_logprobs or [])
+            if o.finish_reason is not None:
+                out[o.rid][1] = o.finish_reason
+    assert not s.has_work()
+    idle_accounting_ok(s)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def idle_accounting_ok(s: Scheduler) -> None:
+    assert s.kv_slots_in_use() == 0
+    assert s.allocator.available() + s.cache.total_size() == s.num_slots
+    assert s.cache.protected_size() == 0
+
+
+def inputs(n: int, max_new: int = 48, seed0: int = 0, **params) -> list[GenerateInput]:
+    params = {"temperature": 0, "ignore_eos": True, **params}
+    # repetitive prompts: the random model's continuations tend to cycle, so drafts are found
+    return [GenerateInput(rid=f"r{i}", input_ids=[(7 * i + j % 5) * 13 + 100 for j in range(24 + i)],
+                          params=SamplingParams(max_new_tokens=max_new, **params), seed=seed0 + i)
+            for i in range(n)]
+
+
+def both(runner, reqs_fn, oracle: bool = True, **kw):
+    """Run without and with speculation; on the tiny model the drafts come from `OracleDrafts`
+    built on the plain run's output."""
+    plain = run_all(make(runner, False, **kw), reqs_fn())
+    s = make(runner, True, **kw)
+    spec = run_all(s, reqs_fn(), plain if oracle else None)
+    return plain, spec, s
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_greedy_identical_tiny(tiny_runner, n):
+    plain, spec, s = both(tiny_runner, lambda: inputs(n))
+    assert spec == plain
+    assert s.num_spec_proposed_tokens > s.num_spec_accepted_tokens > 0
+    assert s.num_generated_tokens == sum(len(v[0]) for v in spec.values())
+
+
+def test_no_speculation_above_max_batch(tiny_runner):
+    plain, spec, s = both(tiny_runner, lambda: inputs(3), speculative_max_batch=2)
+    assert spec == plain
+    assert s.num_spec_proposed_tokens == 0
+
+
+@pytest.mark.parametrize("params", [
+    {"temperature": 1.0},
+    {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "min_p": 0.01},
+    {"temperature": 1.0, "frequency_penalty": 0.5, "presence_penalty": 0.3, "repetition_penalty": 1.2},
+])
+def test_seeded_sampling_identical(tiny_runner, params):
+    """The draw at each position is the one decoding without speculation makes, so a seeded
+    request yields the same tokens (and so the same distribution) with speculation on."""
+    plain, spec, s = both(tiny_runner, lambda: inputs(3, 40, seed0=5, **params))
+    assert spec == plain
+    assert s.num_spec_proposed_tokens > 0
+
+
+def test_sampled_grammar_identical(tiny_runner):
+    """Sampled constrained requests: jump-forward appends forced text, drafts follow it and are
+    checked against the matcher (rolled back when rejected); the output stays the same and valid."""
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "string", "maxLength": 6},
+                                                          "b": {"enum": ["xx", "yyy"]}}, "required": ["a", "b"]})
+    plain, spec, s = both(tiny_runner, lambda: inputs(2, 40, seed0=3, temperature=1.0, json_schema=schema,
+                                                      ignore_eos=False))
+    assert spec == plain
+    assert s.num_spec_proposed_tokens > 0 and s.num_jump_forward_tokens > 0
+    for ids, reason, _ in spec.values():
+        assert reason["type"] == "stop"
+        json.loads(tiny_runner.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def test_stops_and_lengths_exact(tiny_runner):
+    ref = run_all(make(tiny_runner, False), inputs(3, 40))
+    tok = tiny_runner.tokenizer
+    for i, (ids, _, _) in enumerate(ref.values()):
+        stop_id = ids[17 + i]              # a token that occurs mid-output (first occurrence ends it)
+        text = tok.decode(ids[:30])
+        stop_str = text[-6:-2]
+        for extra in ({"stop_token_ids": [stop_id]}, {"stop": [stop_str]}, {"max_new_tokens": 13 + i}):
+            def reqs(i=i, extra=extra):
+                r = inputs(3, 40)[i]
+                r.params = SamplingParams(**{**r.params.__dict__, **extra})
+                return [r]
+            plain = run_all(make(tiny_runner, False), reqs())
+            # drafts from the unstopped output run past the stop
+            spec = run_all(make(tiny_runner, True), reqs(), {f"r{i}": ref[f"r{i}"]})
+            assert spec == plain, extra
+            assert len(plain[f"r{i}"][0]) < 40
+            reason = plain[f"r{i}"][1]
+            assert reason["type"] == ("length" if "max_new_tokens" in extra else "stop")
+
+
+def test_eos_exact(tiny_runner):
+    """A token of the greedy output made the EOS: generation ends at its first occurrence."""
+    ref = run_all(make(tiny_runner, False), inputs(1, 40))["r0"][0]
+    eos = ref[20]
+    outs = []
+    for spec in (False, True):
+        s = make(tiny_runner, spec)
+        s.eos_ids = {eos}
+        outs.append(run_all(s, inputs(1, 40, ignore_eos=False), {"r0": (ref,)} if spec else None)["r0"])
+    assert outs[1] == outs[0]
+    assert outs[0][0] == ref[:ref.index(eos) + 1]
+    assert outs[0][1] == {"type": "stop", "matched": eos}
+
+
+def test_logprobs_match(tiny_runner):
+    def reqs():
+        rs = inputs(2, 32)
+        for r in rs:
+            r.return_logprob, r.top_logprobs_num = True, 2
+        return rs
+    plain, spec, s = both(tiny_runner, reqs)
+    assert s.num_spec_accepted_tokens > 0
+    for rid, (ids, reason, lps) in plain.items():
+        ids2, reason2, lps2 = spec[rid]
+        assert ids2 == ids and reason2 == reason
+        assert [t for _, t in lps2] == ids
+        assert max(abs(a[0] - b[0]) for a, b in zip(lps, lps2)) < 1e-4
+
+
+def test_retraction_with_drafts(tiny_runner, tiny_model_dirs):
+    plain = run_all(make(tiny_runner, False), inputs(4, 60))
+    small = ModelRunner(ServerArgs(model=tiny_model_dirs["llama"], dtype="float32", max_total_tokens=200))
+    s = make(small, True, max_total_tokens=200)
+    squeezed = run_all(s, inputs(4, 60), plain)
+    assert s.num_retractions > 0
+    assert squeezed == plain
+
+
+# --- the real model ----------------------------------------------------------------------------
+
+DOC = ('{"name": "Alice Johnson", "email": "alice.johnson@example.com", "city": "Paris", '
+       '"orders": [{"id": 1042, "item": "blue notebook", "qty": 3}, {"id": 1043, "item": "red pen", "qty": 10}]}')
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string"}, "email": {"type": "string"}, "city": {"type": "string"}},
+          "required": ["name", "email", "city"]}
+
+
+@pytest.fixture(scope="module")
+def smol_runner(smollm2_path):
+    return ModelRunner(ServerArgs(model="smollm2", dtype="float32", max_total_tokens=8192))
+
+
+def chat(runner, text: str) -> list[int]:
+    tok = runner.tokenizer
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                              add_generation_prompt=True))
+
+
+def smol_inputs(runner, n: int, max_new: int = 80, **params) -> list[GenerateInput]:
+    """Copying prompts; with `sampled`, odd requests sample (seeded, temperature 0.7)."""
+    asks = ["Repeat the following JSON exactly:\n", "Copy this record without changes:\n",
+            "Here is a JSON document. Output it again, verbatim:\n"]
+    sampled = params.pop("sampled", False)
+    return [GenerateInput(rid=f"s{i}", input_ids=chat(runner, asks[i % 3] + DOC.replace("Alice", ["Alice", "Bob", "Carol"][i % 3])),
+                          params=SamplingParams(max_new_tokens=max_new, temperature=0.7 if sampled and i % 2 else 0,
+                                                **params), seed=i)
+            for i in range(n)]
+
+
+@pytest.mark.parametrize(("n", "max_new"), [(1, 80), (3, 40)])
+def test_identical_real_model(smol_runner, n, max_new):
+    """Greedy (and, with 3 requests, one seeded sampled) copying requests: same output, fewer steps."""
+    plain, spec, s = both(smol_runner, lambda: smol_inputs(smol_runner, n, max_new, sampled=n > 1), oracle=False,
+                          max_total_tokens=8192)
+    assert spec == plain
+    assert s.num_spec_accepted_tokens > 0.5 * s.num_spec_proposed_tokens > 0   # it copies
+    assert s.num_steps < 0.6 * sum(len(v[0]) for v in spec.values()) / n + 10
+
+
+def test_json_schema_identical_and_valid(smol_runner):
+    plain, spec, s = both(smol_runner, lambda: smol_inputs(smol_runner, 2, 96, json_schema=json.dumps(SCHEMA)),
+                          oracle=False, max_total_tokens=8192)
+    assert spec == plain
+    assert s.num_spec_accepted_tokens > 0
+    for ids, reason, _ in spec.values():
+        assert reason["type"] == "stop"
+        jsonschema.validate(json.loads(smol_runner.tokenizer.decode(ids, skip_special_tokens=True)), SCHEMA)
+
+
+def test_engine_reports_acceptance(smollm2_path):
+    """get_server_info and the metrics carry the acceptance counters (the process path)."""
+    from conftest import assert_no_leak
+    from plait.runtime.server_metrics import ServerMetrics
+
+    import plait
+    with plait.Engine(model="smollm2", dtype="float32", max_total_tokens=4096,
+                      speculative_algorithm="ngram") as eng:
+        prompt = eng.tokenizer.apply_chat_template([{"role": "user", "content": "Repeat the following JSON exactly:\n" + DOC}],
+                                                   tokenize=False, add_generation_prompt=True)
+        out = eng.generate(prompt, {"temperature": 0, "max_new_tokens": 40})
+        info = eng.get_server_info()
+        assert_no_leak(eng)
+    assert out["text"].startswith('{"name": "Alice Johnson"')
+    assert info["num_spec_proposed_tokens"] >= info["num_spec_accepted_tokens"] > 0
+    assert 0 < info["spec_accept_rate"] <= 1
+    text = ServerMetrics().render(info, 0).decode()
+    assert f"plait_spec_accept_rate {info['spec_accept_rate']}" in text
+
+
+def test_greedy_grammar_drafts_only_at_small_batches(tiny_runner, monkeypatch):
+    """Above the batch threshold greedy constrained requests decode one token per step (no
+    forced-text drafts): the same text, no jump-forward tokens."""
+    import plait.runtime.scheduler as sched
+    schema = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
+                         "required": ["name"]})
+    def reqs():
+        return inputs(2, 30, json_schema=schema, ignore_eos=False)
+    small = make(tiny_runner, False)
+    ref = run_all(small, reqs())
+    assert small.num_jump_forward_tokens > 0
+    monkeypatch.setattr(sched, "JUMP_FORWARD_MAX_BATCH", 0)   # always above it
+    big = make(tiny_runner, False)
+    assert run_all(big, reqs()) == ref
+    assert big.num_jump_forward_tokens == 0
