@@ -1,0 +1,126 @@
+"""Where a decode step's time goes: the scheduler's own CPU work vs the model forward.
+
+Drives a `Scheduler` in-process: `batch` requests with `prompt-len`-token prompts are prefilled,
+then `steps` decode steps are timed. Per step: the whole `step()`, the model forward inside it
+(`runner.forward`, wrapped), `ForwardBatch.build`, and the rest (scheduling, sampling, outputs).
+`--backend` swaps the attention backend to compare (old = the pre-mirror gather backend).
+
+    plait bench step_profile [--batch 1 8 32] [--prompt-len 512] [--steps 8] [--backend mirror old]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+class Timer:
+    """Accumulates the wall time of calls to a wrapped function."""
+
+    def __init__(self, fn):
+        self.fn, self.total, self.calls = fn, 0.0, 0
+
+    def __call__(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.total += time.perf_counter() - t
+            self.calls += 1
+
+
+def make_backend(name: str, pool):
+    from plait.runtime.attention import MirroredAttention, TorchNativeAttention
+
+    from .attention import OldGatherAttention
+    if name == "mirror":    # the pool here is sized to the workload, a server's is much larger
+        return MirroredAttention(pool, mirror_budget_bytes=1 << 40)
+    return {"old": OldGatherAttention, "gather": TorchNativeAttention}[name](pool)
+
+
+def profile(sched, batch: int, prompt_len: int, steps: int, seed: int = 0) -> dict[str, float]:
+    """Prefill `batch` requests, then time `steps` decode steps; ms per step for each part."""
+    from plait.runtime.forward_batch import ForwardBatch
+    from plait.runtime.request import GenerateInput
+    from plait.runtime.sampling_params import SamplingParams
+    rng = random.Random(seed)
+    vocab = sched.runner.vocab_size
+    # Long enough that no request finishes while the last ones are still prefilling.
+    prefill_steps = -(-batch * prompt_len // sched.args.chunked_prefill_size) + batch
+    for i in range(batch):
+        ids = [rng.randrange(100, vocab) for _ in range(prompt_len)]
+        params = SamplingParams(max_new_tokens=prefill_steps + steps + 2, temperature=0, ignore_eos=True)
+        sched.add_request(GenerateInput(rid=f"r{i}", input_ids=ids, params=params, seed=i))
+    while sched.waiting or sched.chunked is not None:
+        sched.step()
+    if len(sched.running) != batch:
+        raise RuntimeError(f"only {len(sched.running)} of {batch} requests are decoding; is the KV pool too small?")
+    sched.step()                              # first decode step: the mirror fills
+    forward = Timer(sched.runner.forward)
+    original_build = ForwardBatch.__dict__["build"]
+    build = Timer(ForwardBatch.build)
+    sched.runner.forward = forward
+    ForwardBatch.build = build
+    try:
+        t, c = time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            sched.step()
+        total, cpu = time.perf_counter() - t, time.process_time() - c
+    finally:
+        del sched.runner.forward
+        ForwardBatch.build = original_build
+    for rid in [r.rid for r in sched.running]:
+        sched.abort_request(rid)
+    ms = 1000 / steps
+    return {"step_ms": total * ms, "forward_ms": forward.total * ms, "build_ms": build.total * ms,
+            "scheduler_ms": (total - forward.total) * ms, "step_cpu_ms": cpu * ms}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="plait bench step_profile", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--backend", nargs="+", default=["mirror"], choices=["mirror", "gather", "old"])
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--enable-torch-compile", action="store_true")
+    args = ap.parse_args(argv)
+    from plait.runtime.scheduler import Scheduler
+    from plait.runtime.server_args import ServerArgs
+    batches = sorted(args.batch)
+    sargs = ServerArgs(model=args.model, dtype=args.dtype, num_threads=args.threads,
+                       max_running_requests=max(batches),
+                       max_total_tokens=max(batches) * (args.prompt_len + args.steps + 16) + 4096,
+                       enable_torch_compile=args.enable_torch_compile)
+    sched = Scheduler(sargs)
+    print(f"decode step profile: {args.model} ({sched.runner.dtype}, KV {sched.runner.kv_dtype}), prompts of "
+          f"{args.prompt_len} tokens, {args.steps} steps, torch.compile {'on' if args.enable_torch_compile else 'off'}, "
+          f"load {os.getloadavg()[0]:.2f}")
+    print("ms per decode step (wall; 'CPU' is the process's CPU time, steadier on a loaded machine)")
+    print(f"{'backend':>7} {'batch':>5} | {'step ms':>8} {'forward':>8} {'sched':>7} {'(build)':>8} | {'sched %':>7} | "
+          f"{'step CPU':>8}")
+    results = {}
+    for name in args.backend:
+        backend = make_backend(name, sched.runner.pool)
+        if args.enable_torch_compile:     # as ModelRunner does: attention stays eager
+            import torch
+            backend.forward = torch.compiler.disable(backend.forward)
+        sched.runner.backend = backend
+        for b in batches:
+            sched.flush_cache()
+            r = profile(sched, b, args.prompt_len, args.steps, seed=b)
+            results[f"{name}/{b}"] = r
+            print(f"{name:>7} {b:>5} | {r['step_ms']:>8.1f} {r['forward_ms']:>8.1f} {r['scheduler_ms']:>7.2f} "
+                  f"{r['build_ms']:>8.2f} | {100 * r['scheduler_ms'] / r['step_ms']:>6.1f}% | {r['step_cpu_ms']:>8.1f}",
+                  flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()
