@@ -20,11 +20,16 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="'smollm2' (default, bundled), a .gguf file, a HF folder or a hub id")
     p.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route except /health")
+    p.add_argument("--api-key", default=os.environ.get("PLAIT_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on every route except /health "
+                        "(default: $PLAIT_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="model name in /v1/models (default: --model)")
     p.add_argument("--max-queued-requests", type=int, default=1024,
                    help="generate requests the server holds at once; more get 503 with Retry-After")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a generate request may run; past it the request is aborted with a 504 error")
+    p.add_argument("--log-requests", action="store_true",
+                   help="log each request body (prompts included); off by default")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--context-length", type=int, default=None)
@@ -34,15 +39,44 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--schedule-policy", default=None, choices=["lpm", "fcfs"])
     p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--quantization", default=None, choices=["int8", "fp8"],
+                   help="int8: per-channel int8 weights (CPU: fbgemm int8 GEMM); fp8: CUDA sm90+ only")
+    p.add_argument("--grammar-backend", default=None, choices=["auto", "xgrammar", "llguidance", "outlines"],
+                   help="constrained decoding backend (default auto: llguidance for JSON schemas, xgrammar "
+                        "for the rest, each falling back to the other)")
+    p.add_argument("--grammar-compile-timeout", type=float, default=None, help="seconds per grammar compile")
+    p.add_argument("--disable-jump-forward", action="store_true",
+                   help="sample grammar-forced text token by token instead of appending it")
+    p.add_argument("--speculative-algorithm", default=None, choices=["ngram"],
+                   help="ngram: prompt-lookup speculative decoding (drafts copied from prompt + output)")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="draft tokens per step")
+    p.add_argument("--speculative-ngram-min-match", type=int, default=None, help="shortest n-gram looked up")
+    p.add_argument("--speculative-ngram-max-match", type=int, default=None, help="longest n-gram looked up")
+    p.add_argument("--speculative-max-batch", type=int, default=None,
+                   help="speculate only while at most this many requests run (default 4)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--enable-torch-compile", action="store_true",
+                   help="torch.compile the model step (attention stays eager); off by default")
     p.add_argument("--random-seed", type=int, default=None)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--dp-size", type=int, default=1,
+                   help="data parallelism: N engine replicas (child servers on loopback) behind a cache-aware router")
+    p.add_argument("--tp-size", type=int, default=None, help="tensor parallelism: split the model over N ranks")
+    p.add_argument("--nnodes", type=int, default=None, help="nodes the --tp-size ranks span (default 1)")
+    p.add_argument("--node-rank", type=int, default=None,
+                   help="this node's index; node 0 serves HTTP, the others only run their ranks")
+    p.add_argument("--dist-init-addr", default=None,
+                   help="HOST:PORT where node 0's rank 0 hosts the torch.distributed store (required with --nnodes > 1)")
 
 
 # CLI option -> ServerArgs field; None means "the engine's default".
 _ENGINE_OPTIONS = ("model", "dtype", "device", "context_length", "max_total_tokens", "kv_memory_fraction",
                    "chunked_prefill_size", "max_running_requests", "schedule_policy", "disable_radix_cache",
-                   "num_threads", "random_seed", "log_level")
+                   "num_threads", "random_seed", "log_level", "grammar_backend", "grammar_compile_timeout",
+                   "disable_jump_forward", "speculative_algorithm", "speculative_num_draft_tokens",
+                   "speculative_ngram_min_match", "speculative_ngram_max_match", "speculative_max_batch",
+                   "quantization", "enable_torch_compile",
+                   "tp_size", "nnodes", "node_rank", "dist_init_addr")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the HTTP server (native + OpenAI-compatible API)")
     _add_serve_args(serve)
+    _add_router_args(sub.add_parser("router", help="route requests over separately started plait servers"))
     bench = sub.add_parser("bench", help="run a benchmark: plait bench NAME [ARGS...] (e.g. offline)")
     bench.add_argument("name", help="benchmark name, e.g. offline")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
@@ -70,8 +105,82 @@ def serve(ns: argparse.Namespace) -> int:
         return _fail(f"--port must be in 1..65535, got {ns.port}", 2)
     if ns.max_queued_requests < 0:
         return _fail(f"--max-queued-requests must be >= 0, got {ns.max_queued_requests}", 2)
+    if ns.request_timeout is not None and not ns.request_timeout > 0:
+        return _fail(f"--request-timeout must be > 0 seconds, got {ns.request_timeout}", 2)
+    if ns.dp_size < 1:
+        return _fail(f"--dp-size must be >= 1, got {ns.dp_size}", 2)
     try:
         args = ServerArgs.from_kwargs(**{k: getattr(ns, k) for k in _ENGINE_OPTIONS if getattr(ns, k) is not None})
+    except ValueError as e:
+        return _fail(str(e), 2)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.node_rank > 0:   # a worker node: no HTTP; its tensor-parallel ranks follow node 0's
+        from plait.runtime.engine import run_worker_node
+        return run_worker_node(args)
+    try:
+        sock = bind_socket(ns.host, ns.port)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            return _fail(f"port {ns.port} on {ns.host} is already in use (choose another with --port)")
+        return _fail(f"cannot listen on {ns.host}:{ns.port}: {e.strerror or e}")
+    try:
+        if ns.dp_size > 1:
+            from plait.runtime.router import serve_data_parallel
+            serve_data_parallel({k: getattr(ns, k) for k in _ENGINE_OPTIONS if getattr(ns, k) is not None},
+                                ns.dp_size, ns.host, ns.port, ns.api_key, sock, _replica_flags(ns),
+                                log_level=ns.log_level)
+        else:
+            run_server(args, ns.host, ns.port, ns.api_key, ns.max_queued_requests, ns.served_model_name, sock=sock,
+                       request_timeout=ns.request_timeout, log_requests=ns.log_requests)
+    except KeyboardInterrupt:
+        pass
+    except Exception as e:   # e.g. a model that does not load: one line, not a traceback
+        logging.getLogger("plait").debug("serve failed", exc_info=True)
+        return _fail(f"{type(e).__name__}: {e}")
+    return 0
+
+
+def _replica_flags(ns: argparse.Namespace) -> list[str]:
+    """`plait serve` flags, besides the engine's, that each --dp-size replica gets."""
+    flags = ["--max-queued-requests", str(ns.max_queued_requests)]
+    flags += ["--request-timeout", str(ns.request_timeout)] if ns.request_timeout else []
+    flags += ["--log-requests"] if ns.log_requests else []
+    return flags + (["--served-model-name", ns.served_model_name] if ns.served_model_name else [])
+
+
+def _add_router_args(p: argparse.ArgumentParser) -> None:
+    from plait.runtime.router_policy import (DEFAULT_BALANCE_ABS_THRESHOLD, DEFAULT_BALANCE_REL_THRESHOLD,
+                                             DEFAULT_CACHE_THRESHOLD, POLICIES)
+    p.add_argument("--worker-urls", nargs="+", required=True, metavar="URL", help="the plait servers to route to")
+    p.add_argument("--host", default=DEFAULT_HOST)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--policy", default="cache_aware", choices=POLICIES)
+    p.add_argument("--cache-threshold", type=float, default=DEFAULT_CACHE_THRESHOLD,
+                   help="cache_aware: least prefix match (fraction of the text) that routes to the matching replica")
+    p.add_argument("--balance-abs-threshold", type=int, default=DEFAULT_BALANCE_ABS_THRESHOLD,
+                   help="cache_aware: a replica is overloaded when its load exceeds the least-loaded one's by "
+                        "more than this many requests and ...")
+    p.add_argument("--balance-rel-threshold", type=float, default=DEFAULT_BALANCE_REL_THRESHOLD,
+                   help="... is more than this many times it")
+    p.add_argument("--health-interval", type=float, default=5.0, help="seconds between replica health checks")
+    p.add_argument("--api-key", default=None, help="the router's own key (every route except /health)")
+    p.add_argument("--worker-api-key", default=None,
+                   help="key sent to the replicas (default: the client's Authorization header as is)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def router(ns: argparse.Namespace) -> int:
+    """`plait router`: route over running plait servers until signalled."""
+    from plait.runtime.http_server import bind_socket
+    from plait.runtime.router import Router, run_router
+    from plait.runtime.router_policy import make_policy
+    if not 0 < ns.port < 65536:
+        return _fail(f"--port must be in 1..65535, got {ns.port}", 2)
+    if ns.health_interval <= 0:
+        return _fail(f"--health-interval must be > 0, got {ns.health_interval}", 2)
+    try:
+        policy = make_policy(ns.policy, ns.cache_threshold, ns.balance_abs_threshold, ns.balance_rel_threshold)
+        rt = Router(ns.worker_urls, policy, ns.worker_api_key, health_interval=ns.health_interval)
     except ValueError as e:
         return _fail(str(e), 2)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -82,12 +191,9 @@ def serve(ns: argparse.Namespace) -> int:
             return _fail(f"port {ns.port} on {ns.host} is already in use (choose another with --port)")
         return _fail(f"cannot listen on {ns.host}:{ns.port}: {e.strerror or e}")
     try:
-        run_server(args, ns.host, ns.port, ns.api_key, ns.max_queued_requests, ns.served_model_name, sock=sock)
+        run_router(rt, ns.host, ns.port, ns.api_key, sock=sock, log_level=ns.log_level)
     except KeyboardInterrupt:
         pass
-    except Exception as e:   # e.g. a model that does not load: one line, not a traceback
-        logging.getLogger("plait").debug("serve failed", exc_info=True)
-        return _fail(f"{type(e).__name__}: {e}")
     return 0
 
 
@@ -110,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.command == "serve":
         return serve(ns)
+    if ns.command == "router":
+        return router(ns)
     return bench(ns.name, ns.args)
 
 

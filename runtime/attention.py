@@ -1,14 +1,23 @@
 """Attention backends. One interface: write this step's K/V into the pool, then attend over
 each request's context read through the request-to-token table.
 
-`TorchNativeAttention` works on CPU and GPU: per attention group one SDPA call over a padded
-batch gathered from the pool. Faster GPU backends plug in behind the same `forward`.
+- `TorchNativeAttention` (CPU and GPU): per attention group one SDPA call over a padded batch
+  gathered from the pool. Gather buffers and additive masks are made once per step, not per layer.
+- `MirroredAttention` (the CPU default): the same for prefill groups, but the decode group reads a
+  `DecodeMirror` that appends one token per request per step instead of re-gathering every
+  context: on the CPU the gather costs more than the attention itself.
+- `FlashAttnVarlen` (CUDA, when `flash_attn` is importable): unpadded varlen kernels.
+
+`make_attention_backend(pool, device)` picks one.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 
+from .decode_mirror import DecodeMirror, MirrorPlan
 from .forward_batch import AttnGroup, ForwardBatch
 from .memory_pool import KVPool
 
@@ -27,30 +36,165 @@ class AttentionBackend:
 class TorchNativeAttention(AttentionBackend):
     """SDPA over K/V gathered from the pool into a padded `[B, KVH, max_kv, D]` batch."""
 
+    def __init__(self, pool: KVPool):
+        super().__init__(pool)
+        self.kv_dtype = pool.k[0].dtype
+        self._batch: ForwardBatch | None = None
+        self._masks: list[torch.Tensor | None] = []
+        self._scratch: dict[str, torch.Tensor] = {}
+
     def forward(self, q, k, v, layer_id, batch, scale):
-        kv_dtype = self.pool.k[layer_id].dtype
-        self.pool.write(layer_id, batch.out_cache_loc, k.to(kv_dtype), v.to(kv_dtype))
-        outs = [self._attend(q[g.start:g.end], layer_id, g, scale) for g in batch.groups]
+        if layer_id == 0 or batch is not self._batch:
+            self._begin(batch)
+        k, v = k.to(self.kv_dtype), v.to(self.kv_dtype)
+        self.pool.write(layer_id, batch.out_cache_loc, k, v)
+        outs = [self._attend_group(i, g, q, k, v, layer_id, scale) for i, g in enumerate(batch.groups)]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _attend(self, q: torch.Tensor, layer_id: int, g: AttnGroup, scale: float) -> torch.Tensor:
+    def _begin(self, batch: ForwardBatch) -> None:
+        """Once per step: what every layer shares."""
+        self._batch = batch
+        self._masks = [None if g.attn_mask is None else _additive(g.attn_mask, self.kv_dtype) for g in batch.groups]
+
+    def _attend_group(self, i: int, g: AttnGroup, q, k, v, layer_id: int, scale: float) -> torch.Tensor:
+        return self._attend_gathered(q[g.start:g.end], layer_id, g, self._masks[i], scale)
+
+    def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        """A grow-only scratch tensor: large per-layer allocations would page-fault every step."""
+        numel = 1
+        for s in shape:
+            numel *= s
+        buf = self._scratch.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._scratch[name] = buf
+        return buf[:numel].view(shape)
+
+    def _attend_gathered(self, q: torch.Tensor, layer_id: int, g: AttnGroup, mask: torch.Tensor | None,
+                         scale: float) -> torch.Tensor:
         num_heads, head_dim = q.shape[1], q.shape[2]
-        kv_heads = self.pool.k[layer_id].shape[1]
-        keys = self.pool.k[layer_id].index_select(0, g.kv_indices)
-        values = self.pool.v[layer_id].index_select(0, g.kv_indices)
+        pool_k, pool_v = self.pool.k[layer_id], self.pool.v[layer_id]
+        kv_heads = pool_k.shape[1]
+        shape = (g.bsz * g.max_kv, kv_heads, head_dim)
+        keys = torch.index_select(pool_k, 0, g.kv_indices, out=self._buffer("k", shape, pool_k.dtype, pool_k.device))
+        values = torch.index_select(pool_v, 0, g.kv_indices, out=self._buffer("v", shape, pool_v.dtype, pool_v.device))
         keys = keys.view(g.bsz, g.max_kv, kv_heads, head_dim).transpose(1, 2)
         values = values.view(g.bsz, g.max_kv, kv_heads, head_dim).transpose(1, 2)
+        dtype = q.dtype
+        q = q.to(keys.dtype)          # the pool may be kept in a wider dtype (see ModelRunner)
         if g.q_scatter is None:
             qp = q.reshape(g.bsz, g.max_q, num_heads, head_dim)
         else:
-            qp = q.new_zeros(g.bsz * g.max_q, num_heads, head_dim)
+            qp = self._buffer("q", (g.bsz * g.max_q, num_heads, head_dim), q.dtype, q.device).zero_()
             qp[g.q_scatter] = q
             qp = qp.view(g.bsz, g.max_q, num_heads, head_dim)
-        dtype = q.dtype
-        if keys.dtype != dtype:       # the pool may be kept in a wider dtype (see ModelRunner)
-            qp = qp.to(keys.dtype)
         out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), keys, values, attn_mask=g.attn_mask, scale=scale,
+            qp.transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
             enable_gqa=num_heads != kv_heads)
-        out = out.transpose(1, 2).reshape(g.bsz * g.max_q, num_heads * head_dim).to(dtype)
-        return out if g.q_scatter is None else out[g.q_scatter]
+        out = out.transpose(1, 2).reshape(g.bsz * g.max_q, num_heads * head_dim)
+        out = out if g.q_scatter is None else out[g.q_scatter]
+        return out.to(dtype)
+
+
+class MirroredAttention(TorchNativeAttention):
+    """Decode rows through a `DecodeMirror` (one appended token per step); prefill groups, and
+    any step whose mirror would exceed `mirror_budget_bytes`, gather as `TorchNativeAttention`."""
+
+    def __init__(self, pool: KVPool, mirror_budget_bytes: int | None = None):
+        super().__init__(pool)
+        if mirror_budget_bytes is None:
+            mirror_budget_bytes = default_mirror_budget(pool)
+        self.mirror = DecodeMirror(pool, mirror_budget_bytes)
+        self._plan: MirrorPlan | None = None
+
+    def _begin(self, batch: ForwardBatch) -> None:
+        super()._begin(batch)
+        self.mirror.begin_step(batch.out_cache_loc)
+        last = batch.groups[-1] if batch.groups else None
+        self._plan = self.mirror.plan(last) if last is not None and last.decode else None
+
+    def _attend_group(self, i, g, q, k, v, layer_id, scale):
+        if self._plan is None or i != len(self._batch.groups) - 1:
+            return super()._attend_group(i, g, q, k, v, layer_id, scale)
+        plan = self._plan
+        keys, values = self.mirror.update(layer_id, plan, k[g.start:g.end], v[g.start:g.end])
+        q = q[g.start:g.end]
+        dtype, (_, num_heads, head_dim), n = q.dtype, q.shape, plan.n
+        kv_heads = keys.shape[1]
+        q = q.to(keys.dtype)
+        if plan.max_q == 1:
+            if plan.order is not None:
+                q = q[plan.order]
+            # One query per head: fold the heads sharing a KV head into the query length (GQA).
+            q4 = q.view(n, kv_heads, num_heads // kv_heads, head_dim)
+            out = F.scaled_dot_product_attention(q4, keys, values, attn_mask=plan.mask, scale=scale)
+            out = out.reshape(n, num_heads * head_dim)
+            out = out if plan.order is None else out[plan.target]
+        else:                   # drafts: padded queries, mirror order
+            qp = self._buffer("q", (n * plan.max_q, num_heads, head_dim), q.dtype, q.device).zero_()
+            qp[plan.q_slots] = q
+            qp = qp.view(n, plan.max_q, num_heads, head_dim).transpose(1, 2)
+            out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=plan.mask, scale=scale,
+                                                 enable_gqa=num_heads != kv_heads)
+            out = out.transpose(1, 2).reshape(n * plan.max_q, num_heads * head_dim)[plan.q_slots]
+        return out.to(dtype)
+
+
+class FlashAttnVarlen(TorchNativeAttention):
+    """CUDA with `flash_attn` (fp16 / bf16 KV): gather each group's K/V unpadded and run the varlen
+    kernel (no padding, no mask; causal is aligned bottom-right, i.e. after each prefix). Imported
+    and constructed only on CUDA; not run on this project's CPU machines."""
+
+    def __init__(self, pool: KVPool):
+        super().__init__(pool)
+        from flash_attn import flash_attn_varlen_func
+        self._varlen = flash_attn_varlen_func
+        self._cu: list[tuple] = []
+
+    def _begin(self, batch: ForwardBatch) -> None:
+        super()._begin(batch)
+        self._cu = []
+        for g in batch.groups:
+            device = g.kv_indices.device
+            seq = g.seq_lens.to(device)
+            ext = seq - g.prefix_lens.to(device)
+            cu_q = F.pad(torch.cumsum(ext, 0), (1, 0)).to(torch.int32)
+            cu_k = F.pad(torch.cumsum(seq, 0), (1, 0)).to(torch.int32)
+            pos = torch.arange(g.max_kv, device=device)
+            valid = (pos[None, :] < seq[:, None]).reshape(-1)
+            self._cu.append((cu_q, cu_k, g.kv_indices[valid], g.max_q, g.max_kv))
+
+    def _attend_group(self, i, g, q, k, v, layer_id, scale):
+        if self.kv_dtype not in (torch.float16, torch.bfloat16):
+            return super()._attend_group(i, g, q, k, v, layer_id, scale)
+        cu_q, cu_k, idx, max_q, max_kv = self._cu[i]
+        keys = self.pool.k[layer_id].index_select(0, idx)
+        values = self.pool.v[layer_id].index_select(0, idx)
+        out = self._varlen(q[g.start:g.end].to(self.kv_dtype), keys, values, cu_q, cu_k, max_q, max_kv,
+                           softmax_scale=scale, causal=True)
+        return out.reshape(g.end - g.start, -1).to(q.dtype)
+
+
+def default_mirror_budget(pool: KVPool) -> int:
+    """At most as much again as the pool, and half the memory the pool leaves free (its pages
+    are mostly untouched yet, so `available` still counts them)."""
+    pool_bytes = sum(t.numel() * t.element_size() for t in pool.k + pool.v)
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(pool_bytes, max(available - pool_bytes, 0) // 2)
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean keep-mask -> additive float mask: SDPA would otherwise convert it every layer."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def make_attention_backend(pool: KVPool, device: torch.device | str) -> AttentionBackend:
+    """CPU: `MirroredAttention`. CUDA: `FlashAttnVarlen` when flash_attn imports, else SDPA over
+    the gathered pool (the gather runs at HBM bandwidth there, and GPU memory is kept for the pool)."""
+    if torch.device(device).type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError:
+            return TorchNativeAttention(pool)
+        return FlashAttnVarlen(pool)
+    return MirroredAttention(pool)

@@ -11,6 +11,7 @@ awaited.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -226,6 +227,11 @@ class Engine:
         return self._client.process.pid
 
     @property
+    def tp_worker_pids(self) -> list[int]:
+        """Process ids of the tensor-parallel ranks > 0 on this node (empty at tp_size 1)."""
+        return [proc.pid for proc in self._client.tp_workers]
+
+    @property
     def detokenizer_pid(self) -> int:
         """Process id of the detokenizer process."""
         return self._client.detokenizer.pid
@@ -347,6 +353,25 @@ class Engine:
         """Run a scheduler method in the scheduler process, between steps."""
         self._check_running()
         return self._client.call(method)
+
+
+def run_worker_node(args: ServerArgs) -> int:
+    """`plait serve --node-rank K` (K > 0): run this node's tensor-parallel ranks, which join rank 0
+    at `args.dist_init_addr` and follow its batches, until they exit; 0 when all stopped cleanly."""
+    from .scheduler_process import tp_worker_processes
+    args = dataclasses.replace(args, model=resolve_model(args.model, revision=args.revision))
+    procs = tp_worker_processes(args, None, os.getpid())
+    for proc in procs:
+        proc.start()
+    try:
+        for proc in procs:
+            proc.join()
+    except KeyboardInterrupt:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.join()
+    return 0 if all(proc.exitcode == 0 for proc in procs) else 1
 
 
 def _no_torch_threads_here() -> None:

@@ -3,13 +3,21 @@
 Requests are laid out flat, token-major, request after request: prefill (extend) requests
 first, then decode requests (one token each). Each of the two runs is one attention group with
 its own padded gather index into the KV pool and mask, built once per step here and reused by
-every layer — so a decode row never pays for a long prefill's padding.
+every layer — so a decode row never pays for a long prefill's padding. A few decode requests
+that verify drafts (a handful of tokens on top of their context) join the decode group when the
+group is small (speculation and jump-forward run at small batches): the padding is cheap there
+and the attention backend can keep treating them as decodes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+# A decode group may take multi-token (draft) extends up to this long, while it has at most
+# DRAFT_GROUP_MAX requests: each of its rows is padded to the longest extend.
+DRAFT_MAX_TOKENS = 16
+DRAFT_GROUP_MAX = 8
 
 
 @dataclass
@@ -23,6 +31,10 @@ class AttnGroup:
     kv_indices: torch.Tensor        # [bsz * max_kv] slot ids (padding points at valid slots, masked out)
     attn_mask: torch.Tensor | None  # [bsz, 1, max_q, max_kv] bool; None when nothing needs masking
     q_scatter: torch.Tensor | None  # [end - start] positions in the padded [bsz * max_q] layout; None if dense
+    rows: list[int]                 # request-to-token rows, one per request (identify requests across steps)
+    prefix_lens: torch.Tensor       # [bsz] int64 context already in the pool
+    seq_lens: torch.Tensor          # [bsz] int64 context length after this step (prefix + extend)
+    decode: bool = False            # the trailing group of decodes (and small draft extends)
 
 
 @dataclass
@@ -36,19 +48,18 @@ class ForwardBatch:
     @classmethod
     def build(cls, input_ids: list[int], req_rows: list[int], prefix_lens: list[int],
               extend_lens: list[int], out_cache_loc: torch.Tensor, req_to_token: torch.Tensor,
-              logits_index: list[int], device: torch.device | str = "cpu") -> "ForwardBatch":
+              logits_index: list[int], device: torch.device | str = "cpu") -> ForwardBatch:
         """Lay out one step. Token i of request b sits at position prefix_lens[b] + i; its K/V go to
         out_cache_loc and attention reads the request's context through req_to_token[req_rows[b]].
         Decode requests (extend 1) must come after all prefill requests."""
         n = len(req_rows)
-        split = n
-        while split > 0 and extend_lens[split - 1] == 1:
-            split -= 1
+        split = _decode_start(prefix_lens, extend_lens)
         groups, positions, start = [], [], 0
         for lo, hi in ((0, split), (split, n)):
             if lo == hi:
                 continue
             group, pos = _build_group(start, req_rows[lo:hi], prefix_lens[lo:hi], extend_lens[lo:hi], req_to_token)
+            group.decode = lo == split
             groups.append(group)
             positions.append(pos)
             start = group.end
@@ -57,6 +68,7 @@ class ForwardBatch:
                 g.kv_indices = g.kv_indices.to(device)
                 g.attn_mask = None if g.attn_mask is None else g.attn_mask.to(device)
                 g.q_scatter = None if g.q_scatter is None else g.q_scatter.to(device)
+                g.prefix_lens, g.seq_lens = g.prefix_lens.to(device), g.seq_lens.to(device)
         return cls(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
             positions=(torch.cat(positions) if len(positions) > 1 else positions[0]).to(device),
@@ -64,6 +76,20 @@ class ForwardBatch:
             groups=groups,
             logits_index=torch.tensor(logits_index, dtype=torch.int64, device=device),
         )
+
+
+def _decode_start(prefix_lens: list[int], extend_lens: list[int]) -> int:
+    """First request of the decode group: the trailing run of single-token extends, widened to
+    short extends on top of a context (drafts) while the group stays small."""
+    n = split = len(extend_lens)
+    while split > 0 and extend_lens[split - 1] == 1:
+        split -= 1
+    wide = n
+    while wide > 0 and n - wide < DRAFT_GROUP_MAX and prefix_lens[wide - 1] > 0 \
+            and extend_lens[wide - 1] <= DRAFT_MAX_TOKENS:
+        wide -= 1
+    return wide if wide < split and (wide == 0 or extend_lens[wide - 1] > DRAFT_MAX_TOKENS
+                                      or prefix_lens[wide - 1] == 0) else split
 
 
 def _build_group(start: int, rows: list[int], prefix_lens: list[int], extend_lens: list[int],
@@ -90,5 +116,6 @@ def _build_group(start: int, rows: list[int], prefix_lens: list[int], extend_len
         # clamped to the last real one so that no row is fully masked (which would give NaN).
         q_eff = torch.minimum(torch.arange(max_q)[None, :], (ext - 1)[:, None])
         attn_mask = (kv_pos[None, None, :] <= (pre[:, None] + q_eff)[:, :, None])[:, None]
-    group = AttnGroup(start, start + num_tokens, bsz, max_q, max_kv, kv_indices, attn_mask, q_scatter)
+    group = AttnGroup(start, start + num_tokens, bsz, max_q, max_kv, kv_indices, attn_mask, q_scatter,
+                      list(rows), pre, seq)
     return group, positions

@@ -27,13 +27,20 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
+from .api_schema import (MAX_NATIVE_TOP_LOGPROBS, AbortRequest, GenerateRequest, GenerateResult, add_components,
+                         json_body, ref, responses)
+from .sampling_params import MAX_INT, MAX_N
 from .server_args import ServerArgs
 from .server_metrics import METRICS_CONTENT_TYPE, ServerMetrics, StreamTimer, cache_hit_rate, kv_usage
 
 logger = logging.getLogger("plait.http")
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
+MAX_JSON_DEPTH = 64              # nesting of the request body (a JSON schema inside included)
+MAX_SEQS_PER_REQUEST = 1024      # prompts x n of one request
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
+DRAIN_TIMEOUT_S = 5.0            # on SIGTERM: how long running requests may finish before they fail
+LOGGED_BODY_CHARS = 2000         # --log-requests: a request body is cut to this length
 LOG_INTERVAL_S = 10.0            # periodic load line while busy
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 FLUSH_WAIT_S = 5.0               # /flush_cache waits this long for running requests to end
@@ -48,9 +55,13 @@ _ERROR_DEFAULTS = {
     404: ("invalid_request_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
     413: ("invalid_request_error", "request_too_large"),
+    415: ("invalid_request_error", "unsupported_media_type"),
     500: ("server_error", "internal_error"),
     503: ("server_error", "service_unavailable"),
+    504: ("server_error", "request_timeout"),
 }
+# Abort messages of an engine that can no longer serve (scheduler_client.py): 503, not the client's fault.
+_UNAVAILABLE_MARKERS = ("shut down", "died unexpectedly", "process failed", "receiver failed")
 
 
 # --- errors -----------------------------------------------------------------------------------
@@ -85,8 +96,8 @@ def abort_error(reason: dict[str, Any]) -> ApiError:
     message = str(reason.get("message") or "the request was aborted")
     if message.startswith("internal error"):
         return ApiError(500, message)
-    if "shut down" in message:
-        return ApiError(503, message)
+    if any(m in message for m in _UNAVAILABLE_MARKERS):
+        return ApiError(503, message, headers={"Retry-After": str(RETRY_AFTER_S)})
     return ApiError(400, message)
 
 
@@ -125,20 +136,51 @@ def sse(obj: Any) -> str:
     return f"data: {dumps(obj)}\n\n"
 
 
+def _is_json_type(content_type: str | None) -> bool:
+    """No Content-Type (curl, raw clients) or a JSON one; anything else is a client mistake."""
+    if not content_type:
+        return True
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media in ("application/json", "*/*") or media.endswith("+json")
+
+
+def json_depth(value: Any) -> int:
+    """Nesting depth of a parsed JSON value (a scalar is 0), without recursion."""
+    depth, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            continue
+        depth = max(depth, d)
+        if d <= MAX_JSON_DEPTH:   # no need to look deeper than the limit
+            stack.extend((x, d + 1) for x in v)
+    return depth
+
+
 async def read_json(request: Request) -> dict[str, Any]:
-    """The request body as a JSON object; 413 past MAX_BODY_BYTES (also for chunked bodies), 400 if
-    it is not a JSON object."""
+    """The request body as a JSON object; 415 for a non-JSON Content-Type, 413 past MAX_BODY_BYTES
+    (also for chunked bodies), 400 if it is not a JSON object or nests deeper than MAX_JSON_DEPTH."""
     body = bytearray()
-    async for chunk in request.stream():
+    async for chunk in request.stream():   # read even a body we refuse, so the connection stays usable
         body += chunk
         if len(body) > MAX_BODY_BYTES:
             raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    if not _is_json_type(request.headers.get("content-type")):
+        raise ApiError(415, f"Content-Type must be application/json, got {request.headers['content-type']!r} "
+                       "(with curl, add -H 'Content-Type: application/json')")
     if not body.strip():
         raise ApiError(400, "the request body is empty; expected a JSON object", code="invalid_json")
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:   # nested deeper than the parser goes
+        raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels",
+                       code="invalid_json") from None
+    if json_depth(data) > MAX_JSON_DEPTH:
+        raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}",
                        code="invalid_json")
@@ -191,6 +233,8 @@ class Hold:
         self.aliases = aliases
         self.done: set[str] = set()
         self.start = time.perf_counter()
+        # --request-timeout: past this (time.monotonic()) the request fails with 504 and is aborted
+        self.deadline = time.monotonic() + state.request_timeout if state.request_timeout else None
         self.closed = False
 
     def finish(self, rid: str) -> None:
@@ -229,13 +273,17 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 class ServerState:
-    """What the route handlers share: the engine, names, the request bound, metrics."""
+    """What the route handlers share: the engine, names, the request bound, limits, metrics."""
 
-    def __init__(self, engine: Any, served_model_name: str, max_queued_requests: int):
+    def __init__(self, engine: Any, served_model_name: str, max_queued_requests: int,
+                 request_timeout: float | None = None, log_requests: bool = False):
         self.engine = engine
         self.served_model_name = served_model_name
         self.model_path = str(engine.args.model)
         self.max_queued_requests = max_queued_requests
+        self.request_timeout = request_timeout
+        self.log_requests = log_requests
+        self.draining = False                   # shutting down: new generate requests get 503
         self.in_flight = 0
         self.active: dict[str, Hold] = {}       # engine rid -> its request
         self.aliases: dict[str, list[str]] = {}  # a client-visible id -> its engine rids (n copies)
@@ -261,8 +309,18 @@ class ServerState:
                            f"{self.served_model_name!r}", code="model_not_found")
 
     def admit(self, rids: list[str], aliases: dict[str, list[str]] | None = None) -> Hold:
-        """Take a place for a generate request, or 503 with Retry-After past the bound. `aliases`
-        are ids a client may pass to /abort_request to abort several engine rids at once."""
+        """Take a place for a generate request, or 503 with Retry-After past the bound (or while
+        shutting down, or when the engine is dead). `aliases` are ids a client may pass to
+        /abort_request to abort several engine rids at once."""
+        retry = {"Retry-After": str(RETRY_AFTER_S)}
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", headers=retry)
+        failure = getattr(self.engine, "failure", None)
+        if failure is not None:
+            raise ApiError(503, f"the engine cannot serve: {failure}", headers=retry)
+        if len(rids) > MAX_SEQS_PER_REQUEST:
+            raise ApiError(400, f"a request may ask for at most {MAX_SEQS_PER_REQUEST} sequences (prompts x n), "
+                           f"got {len(rids)}")
         if self.in_flight >= self.max_queued_requests:
             raise ApiError(503, f"the server is at its limit of {self.max_queued_requests} requests in "
                            "flight; retry later", code="server_overloaded",
@@ -293,15 +351,42 @@ class ServerState:
         if is_abort(result) and result["meta_info"].get("id") not in self.user_aborted:
             raise abort_error(result["meta_info"]["finish_reason"])
 
-    async def watch(self, request: Request, aw: Awaitable[Any]) -> Any:
-        """Await `aw`, raising ClientGone if the client disconnects first (the caller's Hold then
-        aborts the request). The body has been read, so the next ASGI message is the disconnect."""
+    def log_request(self, path: str, body: dict[str, Any]) -> None:
+        """--log-requests: log the body (prompts included, cut to LOGGED_BODY_CHARS); off by default,
+        so prompts never reach the log unless the operator asks."""
+        if self.log_requests:
+            text = dumps(body)
+            cut = text[:LOGGED_BODY_CHARS] + ("..." if len(text) > LOGGED_BODY_CHARS else "")
+            logger.info("request %s: %s", path, cut)
+
+    def timeout_error(self) -> ApiError:
+        """The error of a request past --request-timeout."""
+        return ApiError(504, f"the request took longer than the server's limit of {self.request_timeout:g} s "
+                        "and was aborted", code="request_timeout")
+
+    async def next_result(self, hold: Hold, it: AsyncIterator[Any]) -> Any:
+        """`it.__anext__()` within the request's deadline (504 past it)."""
+        if hold.deadline is None:
+            return await it.__anext__()
+        try:
+            return await asyncio.wait_for(it.__anext__(), max(hold.deadline - time.monotonic(), 0))
+        except asyncio.TimeoutError:
+            raise self.timeout_error() from None
+
+    async def watch(self, request: Request, aw: Awaitable[Any], hold: Hold | None = None) -> Any:
+        """Await `aw`, raising ClientGone if the client disconnects first, and 504 past the hold's
+        deadline (the caller's Hold then aborts the request). The body has been read, so the next
+        ASGI message is the disconnect."""
         task = asyncio.ensure_future(aw)
         gone = asyncio.ensure_future(_wait_disconnect(request))
+        deadline = hold.deadline if hold is not None else None
+        timeout = max(deadline - time.monotonic(), 0) if deadline is not None else None
         try:
-            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({task, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             if task.done():
                 return task.result()
+            if not gone.done():
+                raise self.timeout_error()
             raise ClientGone()
         finally:
             for t in (task, gone):
@@ -311,9 +396,11 @@ class ServerState:
     async def generate(self, request: Request, hold: Hold, endpoint: str, **kwargs: Any) -> Any:
         """Non-streaming engine call: results (checked for aborts), metrics, disconnect watch."""
         try:
-            out = await self.watch(request, self.engine.async_generate(**kwargs, strict=False))
+            out = await self.watch(request, self.engine.async_generate(**kwargs, strict=False), hold)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
+        except RuntimeError as e:
+            raise self._unavailable(e) from None
         hold.finish_all()
         results = out if isinstance(out, list) else [out]
         for r in results:
@@ -323,17 +410,32 @@ class ServerState:
         self.metrics.count_request(endpoint, 200)
         return out
 
+    def _unavailable(self, e: RuntimeError) -> Exception:
+        """503 when the engine is shut down or its processes died; any other error stays a bug (500)."""
+        if getattr(self.engine, "failure", None) is not None or "shut down" in str(e):
+            return ApiError(503, str(e), headers={"Retry-After": str(RETRY_AFTER_S)})
+        return e
+
     async def open_stream(self, rid: str, **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
         """Start one streaming engine call; 400 for bad input."""
         try:
             return await self.engine.async_generate(**kwargs, stream=True, rid=rid, strict=False)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
+        except RuntimeError as e:
+            raise self._unavailable(e) from None
 
     async def server_info(self) -> dict[str, Any]:
         """engine.get_server_info() (off the event loop) plus the server's own state."""
         from plait import __version__
         info = await asyncio.to_thread(self.engine.get_server_info)
+        if "max_total_num_tokens" in info:   # held by running requests: neither free nor cached
+            info["kv_slots_in_use"] = info["max_total_num_tokens"] - info.get("free_slots", 0) - \
+                info.get("cache_size", 0)
+        for name in ("scheduler_pid", "detokenizer_pid"):   # for operators (and fault-injection tests)
+            pid = getattr(self.engine, name, None)
+            if isinstance(pid, int):
+                info[name] = pid
         return {**info, "version": __version__, "served_model_name": self.served_model_name,
                 "model_path": self.model_path, "max_queued_requests": self.max_queued_requests,
                 "num_http_in_flight": self.in_flight}
@@ -418,14 +520,24 @@ def parse_native(body: dict[str, Any]) -> NativeRequest:
         raise _type_error("sampling_params", "an object or a list of objects", sp)
     if isinstance(sp, list) and not all(p is None or isinstance(p, dict) for p in sp):
         raise ApiError(400, "sampling_params must be an object or a list of objects")
+    if isinstance(sp, list) and len(sp) != num:
+        raise ApiError(400, f"sampling_params has {len(sp)} entries for {num} prompt(s)")
     kwargs["sampling_params"] = sp
     kwargs["return_logprob"] = _opt(body, "return_logprob", False, lambda v: isinstance(v, bool), "a bool")
     kwargs["logprob_start_len"] = _opt(body, "logprob_start_len", -1, is_int, "an int")
     kwargs["top_logprobs_num"] = _opt(body, "top_logprobs_num", 0, is_int, "an int")
+    if not 0 <= kwargs["top_logprobs_num"] <= MAX_NATIVE_TOP_LOGPROBS:
+        raise ApiError(400, f"top_logprobs_num must be in [0, {MAX_NATIVE_TOP_LOGPROBS}], "
+                       f"got {kwargs['top_logprobs_num']}")
+    if not -1 <= kwargs["logprob_start_len"] <= MAX_INT:
+        raise ApiError(400, f"logprob_start_len must be >= -1, got {kwargs['logprob_start_len']}")
     kwargs["return_text_in_logprobs"] = _opt(body, "return_text_in_logprobs", False,
                                              lambda v: isinstance(v, bool), "a bool")
     stream = _opt(body, "stream", False, lambda v: isinstance(v, bool), "a bool")
     n_per_item = [_n_of(p) for p in sp] if isinstance(sp, list) else [_n_of(sp)] * num
+    if sum(n_per_item) > MAX_SEQS_PER_REQUEST or max(n_per_item, default=1) > MAX_N:
+        raise ApiError(400, f"a request may ask for at most {MAX_SEQS_PER_REQUEST} sequences (prompts x n) "
+                       f"and n <= {MAX_N}")
     item_rids = _item_rids(body.get("rid"), num, batch)
     if not batch and n_per_item[0] > 1 and not stream:
         # n > 1 answers a list even for one prompt: send it as a batch of one
@@ -459,7 +571,9 @@ def expand_rids(item_rids: list[str], n_per_item: list[int]) -> list[str]:
 
 async def handle_generate(state: ServerState, request: Request) -> Response:
     """POST /generate."""
-    req = parse_native(await read_json(request))
+    body = await read_json(request)
+    state.log_request("/generate", body)
+    req = parse_native(body)
     rids = expand_rids(req.item_rids, req.n_per_item)
     aliases = {r: expand_rids([r], [n]) for r, n in zip(req.item_rids, req.n_per_item) if n > 1}
     hold = state.admit(rids, aliases)
@@ -480,7 +594,7 @@ async def _native_stream(state: ServerState, request: Request, hold: Hold, req: 
         rid = req.item_rids[0]
         it = await state.open_stream(rid, **req.kwargs)
         try:
-            first = await state.watch(request, it.__anext__())
+            first = await state.watch(request, it.__anext__(), hold)
         except StopAsyncIteration:
             raise ApiError(500, "the engine ended the stream without a result") from None
         state.check_result(first)
@@ -506,12 +620,16 @@ async def _native_events(state: ServerState, hold: Hold, rid: str, first: dict[s
                 hold.finish(rid)
                 state.metrics.observe_result(result, hold.start)
                 break
-            result = await it.__anext__()
+            result = await state.next_result(hold, it)
         state.metrics.count_request("generate", 200)
     except StopAsyncIteration:
         pass
+    except ApiError as e:   # past --request-timeout
+        hold.close()   # abort before the client hears of it
+        yield sse(e.body())
     except Exception:
         logger.exception("stream %s failed", rid)
+        hold.close()
         yield sse(ApiError(500, "internal error while streaming").body())
     yield SSE_DONE
 
@@ -549,38 +667,49 @@ async def _health_generate(state: ServerState) -> Response:
 def add_native_routes(app: FastAPI, state: ServerState) -> None:
     """The SGLang-compatible routes of protocol.md."""
 
-    @app.post("/generate")
+    ok_json = responses({"type": "object"})
+
+    @app.post("/generate", openapi_extra=json_body(GenerateRequest), responses=responses(
+        {"anyOf": [ref(GenerateResult), {"type": "array", "items": ref(GenerateResult)}]}, stream=True))
     async def generate(request: Request) -> Response:
         return await handle_generate(state, request)
 
-    @app.get("/get_model_info")
-    @app.get("/model_info")
+    @app.get("/get_model_info", responses=ok_json)
+    @app.get("/model_info", responses=ok_json)
     async def model_info() -> Response:
         return json_response(_model_info(state))
 
-    @app.get("/get_server_info")
-    @app.get("/server_info")
+    @app.get("/get_server_info", responses=ok_json)
+    @app.get("/server_info", responses=ok_json)
     async def server_info() -> Response:
         return json_response(await state.server_info())
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.post("/flush_cache", responses=ok_json)
     async def flush_cache() -> Response:
         return await _flush(state)
 
-    @app.post("/concate_and_append_request")
+    @app.get("/flush_cache", responses=ok_json)
+    async def flush_cache_get() -> Response:   # SGLang accepts both methods
+        return await _flush(state)
+
+    @app.post("/concate_and_append_request", responses=ok_json)
     async def concate_and_append_request() -> Response:
         # The client has already joined the text; answering (not 404) keeps it from hanging.
         return json_response({"success": True})
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={200: {"description": "healthy (empty body)"},
+                                   503: responses()[503]})
     async def health() -> Response:
+        failure = getattr(state.engine, "failure", None)
+        if failure is not None:   # the model worker died: the watchdog is about to stop the server
+            raise ApiError(503, f"unhealthy: {failure}")
         return Response(status_code=200)
 
-    @app.get("/health_generate")
+    @app.get("/health_generate", responses=ok_json)
     async def health_generate() -> Response:
         return await _health_generate(state)
 
-    @app.post("/abort_request")
+    @app.post("/abort_request", openapi_extra=json_body(AbortRequest), responses=ok_json)
     async def abort_request(request: Request) -> Response:
         body = await read_json(request)
         if body.get("abort_all") is True:
@@ -592,7 +721,9 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
             raise ApiError(400, "rid must be a non-empty string")
         return json_response({"success": True, "found": state.abort_request(rid)})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {"description": "Prometheus metrics",
+                                          "content": {METRICS_CONTENT_TYPE: {"schema": {"type": "string"}}}},
+                                    401: responses()[401]})
     async def metrics() -> Response:
         try:
             info = await asyncio.to_thread(state.engine.get_server_info)
@@ -655,14 +786,20 @@ async def _log_loop(state: ServerState, interval: float) -> None:
 
 def create_app(engine: Any, api_key: str | None = None, served_model_name: str | None = None,
                max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, ready_message: str | None = None,
-               log_interval: float = LOG_INTERVAL_S) -> FastAPI:
+               log_interval: float = LOG_INTERVAL_S, request_timeout: float | None = None,
+               log_requests: bool = False) -> FastAPI:
     """The FastAPI app serving `engine` (which the caller owns and shuts down).
 
     `served_model_name` is the name in /v1/models and the accepted `model` (besides the model
     path); `max_queued_requests` bounds the generate requests in flight (503 beyond);
-    `ready_message` is printed once the server is up."""
+    `request_timeout` (seconds) fails and aborts a generate request that runs longer (504);
+    `log_requests` logs request bodies (prompts); `ready_message` is printed once the server is up.
+    The OpenAPI description is at /openapi.json (behind the API key like every route but /health)."""
     from .openai_api import add_openai_routes
-    state = ServerState(engine, served_model_name or str(engine.args.model), max_queued_requests)
+    if request_timeout is not None and not request_timeout > 0:
+        raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}")
+    state = ServerState(engine, served_model_name or str(engine.args.model), max_queued_requests,
+                        request_timeout, log_requests)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -674,12 +811,22 @@ def create_app(engine: Any, api_key: str | None = None, served_model_name: str |
         finally:
             task.cancel()
 
-    app = FastAPI(title="plait", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    from plait import __version__
+    app = FastAPI(title="plait", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.plait = state
     add_error_handlers(app)
     add_native_routes(app, state)
     add_openai_routes(app, state)
     app.add_middleware(GuardMiddleware, api_key=api_key)
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = add_components(default_openapi())
+        return app.openapi_schema
+
+    app.openapi = openapi   # type: ignore[method-assign]
     return app
 
 
@@ -698,10 +845,49 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock   # not inheritable: the engine's spawned scheduler process must not hold the port
 
 
+async def drain(state: ServerState, timeout: float) -> None:
+    """Shutting down: refuse new generate requests (503), give running ones up to `timeout` seconds
+    to finish, then shut the engine down so that those still running end with a 503 error (a
+    clear answer, not a cut connection) rather than being cancelled."""
+    state.draining = True
+    deadline = time.monotonic() + timeout
+    while state.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if not state.in_flight:
+        return
+    logger.warning("%d request(s) still running after %g s; failing them", state.in_flight, timeout)
+    await asyncio.to_thread(state.engine.shutdown)
+    deadline = time.monotonic() + 2.0   # let their handlers send the error
+    while state.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
+def _draining_server(config: Any, state: ServerState, drain_timeout: float) -> Any:
+    """A uvicorn server that drains (`drain`) before its own graceful shutdown, and after a
+    SIGTERM / SIGINT exits normally instead of re-raising the signal (uvicorn's default, which
+    would kill the process before the engine is shut down)."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            await drain(state, drain_timeout)
+            await super().shutdown(sockets)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Any:
+            with super().capture_signals():
+                yield
+                self._captured_signals.clear()   # handled: we drained and exit on our own
+
+    return DrainingServer(config)
+
+
 def run_server(args: ServerArgs, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
                max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, served_model_name: str | None = None,
-               sock: socket.socket | None = None) -> None:
-    """Load the engine and serve until SIGINT / SIGTERM; the engine is shut down on the way out."""
+               sock: socket.socket | None = None, request_timeout: float | None = None,
+               log_requests: bool = False, drain_timeout: float = DRAIN_TIMEOUT_S) -> None:
+    """Load the engine and serve until SIGINT / SIGTERM (drained, see `drain`); the engine is shut
+    down on the way out. Raises SystemExit(1) if the engine's processes died."""
     import uvicorn
 
     from .engine import Engine
@@ -711,10 +897,11 @@ def run_server(args: ServerArgs, host: str = "127.0.0.1", port: int = 30000, api
     try:
         shown = f"[{host}]" if ":" in host else host
         app = create_app(engine, api_key, served_model_name, max_queued_requests,
-                         ready_message=f"plait: ready, serving {args.model} at http://{shown}:{port}")
+                         ready_message=f"plait: ready, serving {args.model} at http://{shown}:{port}",
+                         request_timeout=request_timeout, log_requests=log_requests)
         config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False,
                                 timeout_graceful_shutdown=3)
-        server = uvicorn.Server(config)
+        server = _draining_server(config, app.state.plait, drain_timeout)
         threading.Thread(target=_watch_engine, args=(engine, server, died), name="plait-watchdog",
                          daemon=True).start()
         server.run(sockets=[sock])

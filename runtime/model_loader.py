@@ -57,7 +57,9 @@ _CONVERTER_VERSION = 1
 _REQUIRED_CONVERTED = ("config.json", "model.safetensors", "tokenizer_config.json")
 
 _HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt", "*.model"]
-_HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+# org/name, neither part starting with "." and no ".." anywhere: a hub id never names a path
+# outside the hub cache.
+_HUB_ID_RE = re.compile(r"^(?!.*\.\.)[A-Za-z0-9][\w.\-]*/[A-Za-z0-9_\-][\w.\-]*$")
 
 _ACCEPTED_FORMS = (
     "accepted forms of model=: 'smollm2' (the default, bundled GGUF), a path to a .gguf file, "

@@ -8,11 +8,13 @@ import sys
 import torch
 from tqdm import tqdm
 
-from .attention import TorchNativeAttention
+from .attention import make_attention_backend
 from .forward_batch import ForwardBatch
 from .memory_pool import KVPool
 from .model_loader import load_config, load_tokenizer, load_weights, resolve_model
 from .models import get_model_class
+from .parallel import (FORWARD, STOP, RankFailure, StepChannel, all_reduce_min, destroy_tensor_parallel,
+                       init_tensor_parallel, rank_device, ranks_on_this_node, threads_per_rank)
 from .server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -45,15 +47,22 @@ def _available_memory(device: torch.device) -> int:
 
 
 class ModelRunner:
-    """Holds the model, tokenizer and KV pool; `forward(batch)` returns logits at `batch.logits_index`."""
+    """Holds the model, tokenizer and KV pool; `forward(batch)` returns logits at `batch.logits_index`.
 
-    def __init__(self, args: ServerArgs):
+    With tensor parallelism (`args.tp_size > 1`) there is one runner per rank, each holding its
+    shard of the model and of the KV heads: rank 0's `forward` sends the batch to the others, whose
+    `follow()` loop runs the same forward in lockstep; the logits are gathered on rank 0."""
+
+    def __init__(self, args: ServerArgs, rank: int = 0):
         self.args = args
-        self.device = torch.device(args.device)
+        self.rank = rank
+        self.device = rank_device(args, rank)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {args.device!r} requested but CUDA is not available")
-        if args.num_threads:
-            torch.set_num_threads(args.num_threads)
+        if args.num_threads or args.tp_size > 1:
+            torch.set_num_threads(threads_per_rank(args))
+        init_tensor_parallel(args, rank)   # before the model: its layers take their shard sizes from it
+        self.channel = StepChannel() if args.tp_size > 1 else None
         self.model_path = resolve_model(args.model, revision=args.revision)
         self.config = load_config(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
@@ -66,8 +75,11 @@ class ModelRunner:
                        disable=not sys.stderr.isatty(), leave=False)
         self.model.load_weights(weights)
         self.model.to(device=self.device, dtype=self.dtype).eval()
-        if self.device.type == "cpu" and not args.disable_weight_prepack:
-            self.model.prepack_for_cpu()
+        if args.quantization:   # quantized layers replace the float ones (and prepacking)
+            from .quantization import quantize_model
+            quantize_model(self.model, args.quantization)
+        elif self.device.type == "cpu" and not (args.disable_weight_prepack or args.enable_torch_compile):
+            self.model.prepack_for_cpu()     # (inductor cannot lower prepacked weights)
         # RoPE tables stay float32 for accuracy; they are cast per step.
         self.model.rope_cos = self.model.rope_cos.float()
         self.model.rope_sin = self.model.rope_sin.float()
@@ -76,15 +88,54 @@ class ModelRunner:
         # On the CPU, bf16 SDPA is ~3x slower than float32 for these head sizes, so a bf16 model
         # keeps its KV in float32 (the pool is small next to the weights' bandwidth).
         self.kv_dtype = torch.float32 if (self.device.type == "cpu" and self.dtype == torch.bfloat16) else self.dtype
+        # Ranks on one CPU node share its RAM: the fraction is of the whole, split between them.
+        ranks_sharing = len(ranks_on_this_node(args)) if self.device.type == "cpu" else 1
         per_slot = KVPool.bytes_per_slot(self.num_layers, attn.kv_heads, attn.head_dim, self.kv_dtype)
         num_slots = args.max_total_tokens or max(
-            2, min(int(_available_memory(self.device) * args.kv_memory_fraction) // per_slot, 1 << 20))
+            2, min(int(_available_memory(self.device) * args.kv_memory_fraction / ranks_sharing) // per_slot, 1 << 20))
+        num_slots = all_reduce_min(num_slots)   # every rank's pool holds the same slots
+        available = _available_memory(self.device)
+        if num_slots * per_slot > available:   # fail now rather than be OOM-killed while serving
+            raise ValueError(f"a KV pool of {num_slots} tokens needs {num_slots * per_slot / 2**20:.0f} MiB, more "
+                             f"than the {available / 2**20:.0f} MiB available; lower --max-total-tokens")
         self.pool = KVPool(num_slots, self.num_layers, attn.kv_heads, attn.head_dim, self.kv_dtype, self.device)
-        self.backend = TorchNativeAttention(self.pool)
+        self.backend = make_attention_backend(self.pool, self.device)
+        if args.enable_torch_compile:   # the dense parts; attention keeps Python state and stays eager
+            self.backend.forward = torch.compiler.disable(self.backend.forward)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * self.num_layers)
+            self.model.forward = torch.compile(self.model.forward, dynamic=True)
         self.vocab_size = self.config.vocab_size
         logger.info("model %s loaded: %s, %d KV slots (%.1f MiB)", args.model, self.dtype, num_slots,
                     num_slots * per_slot / 2**20)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one step; float32 logits `[len(batch.logits_index), vocab]`."""
+        if self.channel is not None:
+            self.channel.send(batch)
         return self.model(batch, self.backend)
+
+    # --- tensor parallelism (no-ops at tp_size 1) -----------------------------------------------
+    def follow(self) -> None:
+        """Ranks > 0: run every forward rank 0 sends until it says stop; a RankFailure when rank 0
+        is gone (or hangs past the timeout)."""
+        while True:
+            cmd, batch = self.channel.recv()
+            if cmd == STOP:
+                return
+            if cmd == FORWARD:
+                self.model(batch, self.backend)
+
+    def keepalive(self) -> None:
+        """Rank 0, while idle: a no-op step, so a dead rank is noticed (RankFailure) before the next
+        request and the others' receive does not time out."""
+        if self.channel is not None:
+            self.channel.keepalive()
+
+    def close(self) -> None:
+        """Rank 0: release the other ranks (they exit), then leave the group."""
+        if self.channel is not None and self.rank == 0:
+            try:
+                self.channel.stop()
+            except RankFailure:
+                pass   # a rank is already gone: nothing to stop
+        destroy_tensor_parallel()

@@ -31,14 +31,16 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
+from .api_schema import (MAX_TOP_LOGPROBS, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                         CompletionResponse, json_body, ref, responses)
 from .http_server import (SSE_DONE, ApiError, EventStream, Hold, ServerState, abort_error, expand_rids, is_int,
                           json_response, read_json, sse)
+from .sampling_params import MAX_INT, MAX_N
 from .server_metrics import StreamTimer
 
 logger = logging.getLogger("plait.http")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for the legacy completions API
-MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 # OpenAI-side name -> sampling parameter, for the extensions passed through.
 EXTRA_PARAMS = {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
@@ -225,8 +227,8 @@ def _max_tokens(body: dict[str, Any], chat: bool) -> int | None:
     for name in names:
         value = _field(body, name, is_int, "an int")
         if value is not None:
-            if value < 0:
-                raise ApiError(400, f"{name} must be >= 0, got {value}")
+            if not 0 <= value <= MAX_INT:
+                raise ApiError(400, f"{name} must be in [0, {MAX_INT}], got {value}")
             return value
     return None
 
@@ -444,8 +446,13 @@ def render_chat(tokenizer: Any, messages: Any, tools: list[dict[str, Any]] | Non
         if role not in CHAT_ROLES:
             raise ApiError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
         content = _content_text(m.get("content"), i)
-        if role == "assistant" and m.get("tool_calls"):
-            calls = _history_calls(m["tool_calls"], i)
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise ApiError(400, f"messages[{i}].{key} must be a string")
+        if m.get("tool_calls") is not None and role != "assistant":
+            raise ApiError(400, f"messages[{i}]: only assistant messages carry tool_calls")
+        calls = _history_calls(m["tool_calls"], i) if role == "assistant" and m.get("tool_calls") is not None else []
+        if calls:
             call_names.update({c["id"]: c["name"] for c in calls if c["id"]})
             if native_calls:
                 conv.append({"role": "assistant", "content": content, "tool_calls": [
@@ -646,11 +653,11 @@ def parse_openai(state: ServerState, body: dict[str, Any], chat: bool) -> OpenAI
     max_tokens = _max_tokens(body, chat)
     params = [{**base, "max_new_tokens": _default_max(state, p, max_tokens, chat)} for p in prompts]
     n = _field(body, "n", is_int, "an int", 1)
-    if n < 1:
-        raise ApiError(400, f"n must be >= 1, got {n}")
+    if not 1 <= n <= MAX_N:
+        raise ApiError(400, f"n must be in [1, {MAX_N}], got {n}")
     stream = _field(body, "stream", _is_bool, "a bool", False)
     opts = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
-    include_usage = bool(stream and opts.get("include_usage"))
+    include_usage = bool(stream and _field(opts, "include_usage", _is_bool, "a bool", False))
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     return OpenAIRequest(chat, prompts, params, n, _logprobs(body, chat), stream, include_usage, rid, plan)
 
@@ -905,7 +912,7 @@ async def _stream(state: ServerState, request: Request, req: OpenAIRequest) -> R
             # a grammar that does not compile ends the request before its first token: wait for
             # the first result, so that is a plain 400 rather than an error event
             try:
-                first = await state.watch(request, merged.__anext__())
+                first = await state.watch(request, merged.__anext__(), hold)
             except StopAsyncIteration:
                 raise ApiError(500, "the engine ended the stream without a result") from None
             state.check_result(first[1])
@@ -929,8 +936,13 @@ async def _events(state: ServerState, req: OpenAIRequest, hold: Hold, rids: list
                   merged: AsyncIterator[tuple[int, dict]], first: tuple[int, dict] | None) -> AsyncIterator[str]:
     shaper = StreamShaper(req, state)
     timers = [StreamTimer(state.metrics, hold.start) for _ in rids]
+    items = _with_first(first, merged)
     try:
-        async for idx, result in _with_first(first, merged):
+        while True:
+            try:
+                idx, result = await state.next_result(hold, items)   # 504 past --request-timeout
+            except StopAsyncIteration:
+                break
             timers[idx].update(result)
             for chunk in shaper.update(idx, result):
                 yield sse(chunk)
@@ -941,11 +953,14 @@ async def _events(state: ServerState, req: OpenAIRequest, hold: Hold, rids: list
             yield sse(shaper.usage_chunk())
         state.metrics.count_request("chat" if req.chat else "completions", 200)
     except ApiError as e:
+        hold.close()   # abort the other choices before the client hears of it
         yield sse(e.body())
     except Exception:
         logger.exception("stream %s failed", req.rid)
+        hold.close()
         yield sse(ApiError(500, "internal error while streaming").body())
     finally:
+        await items.aclose()
         await merged.aclose()
     yield SSE_DONE
 
@@ -953,7 +968,9 @@ async def _events(state: ServerState, req: OpenAIRequest, hold: Hold, rids: list
 # --- routes -----------------------------------------------------------------------------------
 async def handle_openai(state: ServerState, request: Request, chat: bool) -> Response:
     """POST /v1/completions (chat=False) and /v1/chat/completions (chat=True)."""
-    req = parse_openai(state, await read_json(request), chat)
+    body = await read_json(request)
+    state.log_request(request.url.path, body)
+    req = parse_openai(state, body, chat)
     if req.stream:
         return await _stream(state, request, req)
     return await _complete(state, request, req)
@@ -962,16 +979,18 @@ async def handle_openai(state: ServerState, request: Request, chat: bool) -> Res
 def add_openai_routes(app: FastAPI, state: ServerState) -> None:
     """The OpenAI-compatible routes."""
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=responses({"type": "object"}))
     async def models() -> Response:
         card = {"id": state.served_model_name, "object": "model", "created": 0, "owned_by": "plait",
                 "root": state.model_path, "max_model_len": state.context_len}
         return json_response({"object": "list", "data": [card]})
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest),
+              responses=responses(ref(CompletionResponse), stream=True))
     async def completions(request: Request) -> Response:
         return await handle_openai(state, request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest),
+              responses=responses(ref(ChatCompletionResponse), stream=True))
     async def chat_completions(request: Request) -> Response:
         return await handle_openai(state, request, chat=True)

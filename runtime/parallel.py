@@ -13,15 +13,15 @@ raised as `RankFailure`, which the scheduler treats as fatal.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
-import io
 import logging
 import os
-import pickle
 import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -349,37 +349,58 @@ FORWARD, KEEPALIVE, STOP = 0, 1, 2
 _ALIGN = 16   # every tensor starts at a multiple of this in the payload, so it can be viewed in place
 
 
-class _Packer(pickle.Pickler):
-    """Pickles an object with its tensors left out of band (recorded with their payload offsets)."""
+def _step_types() -> dict[str, type]:
+    """The only classes a step payload may rebuild (no pickle: nothing else can be instantiated)."""
+    from .forward_batch import AttnGroup, ForwardBatch
+    return {"ForwardBatch": ForwardBatch, "AttnGroup": AttnGroup}
 
-    def __init__(self, f: io.BytesIO):
-        super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
+
+class _Packer:
+    """A batch as msgpack-able metadata, its tensors left out of band (recorded with their offsets
+    in one flat payload)."""
+
+    def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
         self.nbytes = 0
 
-    def persistent_id(self, obj: Any):
-        if not isinstance(obj, torch.Tensor):
-            return None
-        flat = obj.detach().reshape(-1).contiguous()
-        self.tensors.append(flat)
-        pid = (self.nbytes, obj.dtype, tuple(obj.shape))
-        self.nbytes += -(-flat.numel() * flat.element_size() // _ALIGN) * _ALIGN
-        return pid
+    def pack(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            flat = obj.detach().reshape(-1).contiguous()
+            self.tensors.append(flat)
+            ref = {"tensor": [self.nbytes, str(obj.dtype).removeprefix("torch."), list(obj.shape)]}
+            self.nbytes += -(-flat.numel() * flat.element_size() // _ALIGN) * _ALIGN
+            return ref
+        if dataclasses.is_dataclass(obj) and type(obj).__name__ in _step_types():
+            return {"dataclass": type(obj).__name__,
+                    "fields": {f.name: self.pack(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
+        if isinstance(obj, (list, tuple)):
+            return [self.pack(x) for x in obj]
+        if obj is None or isinstance(obj, (bool, int, float, str)):
+            return obj
+        raise TypeError(f"a step payload cannot carry {type(obj).__name__}")
 
 
-class _Unpacker(pickle.Unpickler):
-    def __init__(self, f: io.BytesIO, data: torch.Tensor):
-        super().__init__(f)
-        self.data = data
-
-    def persistent_load(self, pid):
-        offset, dtype, shape = pid
+def _unpack(meta: Any, data: torch.Tensor) -> Any:
+    """Inverse of `_Packer.pack`: tensors become views into `data`."""
+    if isinstance(meta, list):
+        return [_unpack(x, data) for x in meta]
+    if not isinstance(meta, dict):
+        return meta
+    if "tensor" in meta:
+        offset, dtype_name, shape = meta["tensor"]
+        dtype = getattr(torch, dtype_name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise RankFailure(f"a step payload names an unknown dtype {dtype_name!r}")
         n = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-        return self.data[offset:offset + n].view(dtype).view(shape)
+        return data[offset:offset + n].view(dtype).view(shape)
+    cls = _step_types().get(meta.get("dataclass"))
+    if cls is None:
+        raise RankFailure(f"a step payload names an unknown type {meta.get('dataclass')!r}")
+    return cls(**{k: _unpack(v, data) for k, v in meta["fields"].items()})
 
 
 class StepChannel:
-    """Rank 0 sends each step's batch (any picklable object; its tensors travel as one flat
+    """Rank 0 sends each step's batch (a ForwardBatch, as msgpack metadata; its tensors travel as one flat
     buffer on the device) to every other rank, which run the same forward. Two broadcasts per
     step: a fixed header (command, sizes), then the payload."""
 
@@ -389,10 +410,8 @@ class StepChannel:
     def send(self, obj: Any) -> None:
         """Rank 0: send `obj` (a ForwardBatch) to the other ranks."""
         import torch.distributed as dist
-        f = io.BytesIO()
-        packer = _Packer(f)
-        packer.dump(obj)
-        meta = f.getvalue()
+        packer = _Packer()
+        meta = msgspec.msgpack.encode(packer.pack(obj))
         meta_len = -(-len(meta) // _ALIGN) * _ALIGN
         payload = torch.empty(meta_len + packer.nbytes, dtype=torch.uint8, device=_tp.device)
         payload[:len(meta)].copy_(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
@@ -401,7 +420,7 @@ class StepChannel:
             raw = t.view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
             payload[offset:offset + raw.numel()].copy_(raw)
             offset += -(-raw.numel() // _ALIGN) * _ALIGN
-        self._header(FORWARD, meta_len, payload.numel())
+        self._header(FORWARD, len(meta), payload.numel())
         _collective(dist.broadcast, payload, src=0)
 
     def keepalive(self) -> None:
@@ -422,7 +441,8 @@ class StepChannel:
         payload = torch.empty(total, dtype=torch.uint8, device=_tp.device)
         _collective(dist.broadcast, payload, src=0)
         meta = payload[:meta_len].cpu().numpy().tobytes()
-        return cmd, _Unpacker(io.BytesIO(meta), payload[meta_len:]).load()
+        tensors_at = -(-meta_len // _ALIGN) * _ALIGN
+        return cmd, _unpack(msgspec.msgpack.decode(meta), payload[tensors_at:])
 
     def _header(self, cmd: int, meta_len: int, total: int) -> None:
         import torch.distributed as dist

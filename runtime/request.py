@@ -49,7 +49,8 @@ class Req:
     __slots__ = ("rid", "origin_ids", "output_ids", "params", "seed", "return_logprob",
                  "logprob_start_len", "top_logprobs_num", "row", "kv_len", "cached_len",
                  "last_node", "cached_tokens", "finish_reason", "prefilled", "input_logprobs",
-                 "input_top_logprobs", "stop_tail_tokens", "arrival", "matcher", "num_draft")
+                 "input_top_logprobs", "stop_tail_tokens", "arrival", "matcher", "num_draft",
+                 "draft_source", "ngram")
 
     def __init__(self, inp: GenerateInput, arrival: int):
         self.rid = inp.rid
@@ -73,7 +74,9 @@ class Req:
         self.stop_tail_tokens = longest + 2    # a token is at least one character
         self.arrival = arrival
         self.matcher = None                    # grammar matcher, when the request has a grammar
-        self.num_draft = 0                     # trailing output_ids proposed by jump-forward, not yet verified
+        self.num_draft = 0                     # trailing output_ids proposed as drafts, not yet verified
+        self.draft_source = ""                 # who proposed them: "grammar" (jump-forward) or "ngram"
+        self.ngram = None                      # speculative.NgramIndex over fill_ids, made on first use
 
     @property
     def fill_ids(self) -> list[int]:

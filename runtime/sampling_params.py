@@ -20,6 +20,13 @@ _FLOAT_FIELDS = (
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
 _STR_LIST_FIELDS = ("stop", "stop_regex")
 _OPT_STR_FIELDS = ("regex", "json_schema", "ebnf")
+# Bounds on what one request may ask for: ints fit in 64 bits (the wire format), and the lists
+# that cost work per generated token (stop strings) or per request (n copies) stay small.
+MAX_INT = 2**63 - 1
+MAX_N = 128
+MAX_STOP_STRINGS = 128
+MAX_STOP_STR_LEN = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 def _is_int(v: Any) -> bool:
@@ -108,6 +115,7 @@ class SamplingParams:
         `vocab_size`, when given, bounds `stop_token_ids` to `[0, vocab_size)`.
         """
         self._check_types()
+        self._check_sizes()
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.min_new_tokens < 0:
@@ -138,12 +146,27 @@ class SamplingParams:
         rp = float(self.repetition_penalty)
         if not (rp > 0.0) or math.isinf(rp):
             raise ValueError(f"repetition_penalty must be > 0 and finite, got {rp}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         hi = "inf" if vocab_size is None else vocab_size
         for t_id in self.stop_token_ids:
             if t_id < 0 or (vocab_size is not None and t_id >= vocab_size):
                 raise ValueError(f"stop_token_ids must be in [0, {hi}), got {t_id}")
+
+    def _check_sizes(self) -> None:
+        for name in (*_INT_FIELDS, "seed"):
+            v = getattr(self, name)
+            if v is not None and not -MAX_INT - 1 <= v <= MAX_INT:
+                raise ValueError(f"{name} must fit in a 64-bit integer, got {v}")
+        if len(self.stop) > MAX_STOP_STRINGS or len(self.stop_regex) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if any(len(s) > MAX_STOP_STR_LEN for s in (*self.stop, *self.stop_regex)):
+            raise ValueError(f"a stop string may be at most {MAX_STOP_STR_LEN} characters long")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        for t in self.stop_token_ids:
+            if not -MAX_INT - 1 <= t <= MAX_INT:
+                raise ValueError(f"stop_token_ids must be token ids, got {t}")
 
     def _check_types(self) -> None:
         for name in _INT_FIELDS:
@@ -154,6 +177,10 @@ class SamplingParams:
             v = getattr(self, name)
             if not _is_real(v):
                 raise ValueError(f"{name} must be a number, got {type(v).__name__} {v!r}")
+            try:
+                setattr(self, name, float(v))   # an int 10**30 is a float for the wire and the sampler
+            except OverflowError:   # an int too large for a float
+                raise ValueError(f"{name} is out of range, got {v}") from None
         for name in _BOOL_FIELDS:
             v = getattr(self, name)
             if not isinstance(v, bool):
@@ -181,9 +208,13 @@ class SamplingParams:
     def grammar_spec(self):
         """The grammar this request is constrained to (a `plait.grammar.GrammarSpec`), or None.
         Raises `GrammarError` (a ValueError) for a spec that is not even well-formed."""
-        from plait.grammar import GrammarSpec
+        from plait.grammar import GrammarError, GrammarSpec
         if self.json_schema is not None:
-            return GrammarSpec.from_json_schema(self.json_schema)
+            spec = GrammarSpec.from_json_schema(self.json_schema)
+            cycle = ref_cycle(spec.schema())
+            if cycle:   # some backends compile it to a grammar that admits nothing
+                raise GrammarError(f"invalid grammar: json_schema: circular $ref with no schema content: {cycle}")
+            return spec
         if self.regex is not None:
             return GrammarSpec.from_regex(self.regex)
         if self.ebnf is not None:
@@ -196,3 +227,49 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when decoding is argmax: temperature 0 or top_k 1."""
         return self.temperature == 0 or self.top_k == 1
+
+
+# Keys that do not constrain a value: a schema with only these and `$ref` is just the reference.
+_ANNOTATIONS = frozenset({"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description",
+                          "default", "examples"})
+
+
+def _resolve_local(root: Any, ref: str) -> Any:
+    """The target of a local `$ref` ("#" or a "#/..." JSON pointer), or None."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def ref_cycle(schema: Any) -> str | None:
+    """A chain of local `$ref`s that only ever points at more references (`{"$ref": "#"}`,
+    a -> b -> a): such a schema describes no value. Returns the chain as text, or None."""
+    stack, seen_nodes = [schema], set()
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict) or id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        stack.extend(node.values())
+        chain: list[str] = []
+        cur = node
+        while isinstance(cur, dict) and isinstance(cur.get("$ref"), str) and set(cur) <= _ANNOTATIONS:
+            if cur["$ref"] in chain:
+                return " -> ".join([*chain, cur["$ref"]])
+            chain.append(cur["$ref"])
+            cur = _resolve_local(schema, cur["$ref"])
+    return None

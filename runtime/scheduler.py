@@ -21,7 +21,9 @@ from .model_runner import ModelRunner
 from .radix_cache import NaiveCache, RadixCache
 from .request import GenerateInput, Req, TokenOutput
 from .sampler import Sampler, SamplingBatch
+from .sampling_params import SamplingParams
 from .server_args import ServerArgs
+from .speculative import NgramIndex, acceptance_rate
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +35,9 @@ RESERVE_CAP = 256
 # so it can take them from the cache instead of computing them twice.
 IN_BATCH_SHARE_MIN = 16
 LPM_MAX_QUEUE = 128
+# Verifying grammar-forced drafts costs extra rows of logits and sampling; above this many running
+# requests greedy constrained ones decode one token per step instead (same text).
+JUMP_FORWARD_MAX_BATCH = 8
 
 
 class Scheduler:
@@ -53,6 +58,7 @@ class Scheduler:
         self.grammar_queue: list[tuple[Req, Future]] = []   # waiting for their grammar to compile
         self._grammar_cache = None                          # made on first use (imports a backend)
         self._bitmask = None
+        self._full_bitmask = None        # batch-wide mask rows (see _apply_mask_rows)
         self.running: list[Req] = []          # decoding
         self.chunked: Req | None = None       # mid-prefill, continues next step
         self._arrivals = 0
@@ -63,7 +69,11 @@ class Scheduler:
         self.num_retractions = 0
         self.num_steps = 0
         self.num_jump_forward_tokens = 0
+        self.num_spec_proposed_tokens = 0     # n-gram draft tokens proposed ...
+        self.num_spec_accepted_tokens = 0     # ... and kept after verification
         self.jump_forward = not args.disable_jump_forward
+        self.speculative = args.speculative_algorithm == "ngram"
+        self._active = 0                      # requests sampling in the current step
 
     # --- requests in and out ---------------------------------------------------------------
     def add_request(self, inp: GenerateInput) -> None:
@@ -145,6 +155,12 @@ class Scheduler:
         """Slots neither free nor owned by the cache (held by requests); 0 when idle."""
         return self.num_slots - self.allocator.available() - self.cache.total_size()
 
+    def speculative_stats(self) -> dict:
+        """N-gram speculation counters since start, and the fraction of drafts kept."""
+        return {"num_spec_proposed_tokens": self.num_spec_proposed_tokens,
+                "num_spec_accepted_tokens": self.num_spec_accepted_tokens,
+                "spec_accept_rate": acceptance_rate(self.num_spec_proposed_tokens, self.num_spec_accepted_tokens)}
+
     # --- one iteration ---------------------------------------------------------------------
     def step(self) -> list[TokenOutput]:
         """Schedule and run one batch; return what each touched request produced."""
@@ -167,6 +183,11 @@ class Scheduler:
         """Give every running request slots for its uncomputed tokens — one, or more after a
         jump-forward — retracting requests if memory is short. Multi-token ones come first."""
         while self.running and not self._make_room(sum(len(r.fill_ids) - r.kv_len for r in self.running)):
+            drafted = [r for r in self.running if r.num_draft]
+            if drafted:             # drafts are optional: drop them before retracting anyone
+                for r in drafted:
+                    self._drop_drafts(r)
+                continue
             if len(self.running) == 1 and not self.chunked and not self.waiting:
                 req = self.running.pop()
                 self._release(req)
@@ -285,9 +306,9 @@ class Scheduler:
             prefix_lens.append(req.kv_len)
             extend_lens.append(take)
             locs.append(table[req.row, req.kv_len:req.kv_len + take])
-            if req.num_draft:    # every position's logits, to verify the drafts
-                rows_of[id(req)] = (len(logits_index), take)
-                logits_index += range(pos, pos + take)
+            if req.num_draft:    # the logits after the last committed token and after each draft
+                rows_of[id(req)] = (len(logits_index), req.num_draft + 1)
+                logits_index += range(pos + take - req.num_draft - 1, pos + take)
             else:
                 rows_of[id(req)] = (len(logits_index), 1)
                 logits_index.append(pos + take - 1)
@@ -325,14 +346,16 @@ class Scheduler:
             to_sample.append(req)
             sample_rows.append(first + count - 1)
         still_running: list[Req] = []
+        drafted = [r for r in decode if r.num_draft]
         for req in decode:
-            if req.num_draft:
-                first, count = rows_of[id(req)]
-                self._finish_step(req, self._verify_drafts(req, logits[first:first + count]), outputs, still_running)
-                continue
-            req.kv_len = len(req.fill_ids)
-            to_sample.append(req)
-            sample_rows.append(rows_of[id(req)][0])
+            if not req.num_draft:
+                req.kv_len = len(req.fill_ids)
+                to_sample.append(req)
+                sample_rows.append(rows_of[id(req)][0])
+        self._active = len(to_sample) + len(drafted)
+        if drafted:
+            for req, out in zip(drafted, self._verify_drafts(drafted, logits, rows_of)):
+                self._finish_step(req, out, outputs, still_running)
         if not to_sample:
             self.running = sorted(still_running, key=lambda r: r.arrival)
             return outputs
@@ -362,15 +385,14 @@ class Scheduler:
             if id(req) in input_lp:
                 self._attach_input_logprobs(req, out)
             if req.matcher is not None and not req.matcher.accept(tok):
-                reason = {"type": "abort", "message": f"internal error: the grammar rejected sampled token {tok}"}
+                reason = _grammar_rejected(req.matcher, tok, self.runner.vocab_size)
             else:
                 reason = self._check_finish(req, tok)
-                if reason is None and req.matcher is not None and self.jump_forward and not req.return_logprob:
-                    if self._exact_jump(req):
-                        self._propose_drafts(req)
-                    elif self._jump_forward(req):
-                        self.num_generated_tokens += len(req.output_ids) - first - 1
-                        reason = self._check_finish(req, req.output_ids[-1])
+                if reason is None and self._direct_jump(req) and self._jump_forward(req):
+                    self.num_generated_tokens += len(req.output_ids) - first - 1
+                    reason = self._check_finish(req, req.output_ids[-1])
+                if reason is None:
+                    self._propose(req)
             # jump-forward or a grammar's final EOS may add tokens; unverified drafts are not output
             out.new_ids = req.output_ids[first:len(req.output_ids) - req.num_draft]
             out.finish_reason = reason
@@ -394,69 +416,172 @@ class Scheduler:
         p = req.params
         return p.greedy and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
 
-    def _propose_drafts(self, req: Req) -> None:
-        """Append the grammar's forced text as draft tokens (the matcher accepts them now; the next
-        step computes them in one pass and `_verify_drafts` keeps those the model agrees with)."""
+    def _direct_jump(self, req: Req) -> bool:
+        """Sampled constrained requests take the grammar's forced text directly after a sampled token."""
+        return req.matcher is not None and self.jump_forward and not req.return_logprob and not self._exact_jump(req)
+
+    def _propose(self, req: Req) -> None:
+        """Append draft tokens for the next step to verify: the grammar's forced text for greedy
+        constrained requests (jump-forward), else an n-gram lookup when speculation is on. Only at
+        small batches: there the extra positions are nearly free; at large ones they are not."""
+        if req.matcher is not None and self.jump_forward and not req.return_logprob and self._exact_jump(req):
+            if self._active <= JUMP_FORWARD_MAX_BATCH:
+                self._propose_forced(req)
+            if req.num_draft:
+                req.draft_source = "grammar"
+                return
+        if self.speculative and self._active <= self.args.speculative_max_batch:
+            self._propose_ngram(req)
+
+    def _propose_forced(self, req: Req) -> None:
+        """Append the grammar's forced text as draft tokens (the matcher accepts them now)."""
         forced = req.matcher.forced_text()
         budget = req.params.max_new_tokens - len(req.output_ids) - 1   # room for the model's own next token
         if not forced or budget <= 0:
             return
-        for t in self.tokenizer.encode(forced, add_special_tokens=False)[:budget]:
-            if not req.matcher.accept(t):
-                break
+        self._append_drafts(req, self.tokenizer.encode(forced, add_special_tokens=False)[:budget])
+
+    def _propose_ngram(self, req: Req) -> None:
+        """Append the tokens that followed the latest earlier occurrence of the request's tail."""
+        a = self.args
+        k = min(a.speculative_num_draft_tokens,
+                req.params.max_new_tokens - len(req.output_ids) - 1,      # room for the model's own token
+                self.context_len - len(req.origin_ids) - len(req.output_ids) - 1)
+        if k <= 0:
+            return
+        if req.ngram is None:
+            req.ngram = NgramIndex(a.speculative_ngram_min_match, a.speculative_ngram_max_match)
+        self._append_drafts(req, req.ngram.propose(req.fill_ids, k), self._direct_jump(req))
+        if req.num_draft:
+            req.draft_source = "ngram"
+
+    @staticmethod
+    def _append_drafts(req: Req, tokens: list[int], stop_before_forced: bool = False) -> None:
+        """Drafts up to the first one the grammar (if any) rejects; the matcher accepts them.
+        `stop_before_forced`: also stop before a draft after which the grammar forces text — there
+        decoding would jump forward instead of sampling the next token, so verification must end
+        at that position (`_accept_drafts` then jumps, as decoding does)."""
+        for t in tokens:
+            if req.matcher is not None:
+                if not req.matcher.accept(t):
+                    break
+                if stop_before_forced and req.matcher.forced_text():
+                    req.matcher.rollback(1)
+                    break
             req.output_ids.append(t)
             req.num_draft += 1
 
     def _drop_drafts(self, req: Req) -> None:
         if req.num_draft:
-            req.matcher.rollback(req.num_draft)
+            if req.matcher is not None:
+                req.matcher.rollback(req.num_draft)
             del req.output_ids[-req.num_draft:]
             req.num_draft = 0
 
-    def _verify_drafts(self, req: Req, rows: torch.Tensor) -> TokenOutput:
-        """Greedy verification: row i holds the logits after the last sampled token and drafts[:i].
-        Drafts are kept while they equal the masked argmax; the first disagreement (or the row after
-        the last draft) contributes the model's own token, as decoding one by one would."""
-        from plait.grammar import apply_token_bitmask_
+    def _verify_drafts(self, reqs: list[Req], logits: torch.Tensor, rows_of) -> list[TokenOutput]:
+        """Verify every drafted request of the step in one sampler call. For a request with k
+        drafts, row i holds the logits after its last committed token and drafts[:i]; each row is
+        sampled exactly as decoding one token at a time would sample it there (same penalties,
+        grammar mask, min_new_tokens, seed and step). Drafts are kept while they equal those
+        draws; the first draw that differs (or the one after the last draft) is the model's own
+        token. Greedy: lossless; sampled: see plait.runtime.speculative."""
+        idx, params, seeds, steps, prompts, outs, drafts_of = [], [], [], [], [], [], []
+        for req in reqs:
+            k = req.num_draft
+            drafts, base = req.output_ids[-k:], req.output_ids[:-k]
+            first, count = rows_of[id(req)]
+            idx += range(first, first + count)
+            penalised = _has_penalty(req.params)
+            for i in range(k + 1):
+                params.append(req.params)
+                seeds.append(req.seed)
+                steps.append(len(base) + i)
+                prompts.append(req.origin_ids)
+                outs.append(base + drafts[:i] if penalised else base)   # only penalties read them
+            drafts_of.append(drafts)
+        rows = torch.tensor(idx, dtype=torch.int64, device=logits.device)
+        row_logits = logits.index_select(0, rows)
+        # logprobs report the model's distribution, before grammar masks and penalties
+        logprobs = torch.log_softmax(row_logits, dim=-1) if any(r.return_logprob for r in reqs) else None
+        self._apply_draft_masks(reqs, drafts_of, row_logits)
+        sbatch = SamplingBatch.build(params, seeds, steps, prompts, outs, sorted(self.eos_ids),
+                                     self.runner.vocab_size, device=logits.device)
+        targets = self.sampler(row_logits, sbatch).tolist()
+        results, off = [], 0
+        for req, drafts in zip(reqs, drafts_of):
+            n = len(drafts) + 1
+            lp = logprobs[off:off + n] if logprobs is not None and req.return_logprob else None
+            results.append(self._accept_drafts(req, drafts, targets[off:off + n], lp))
+            off += n
+        return results
+
+    def _apply_draft_masks(self, reqs: list[Req], drafts_of: list[list[int]], row_logits: torch.Tensor) -> None:
+        """Grammar masks for every draft position: the matcher is walked back over the drafts and
+        forward again, filling one mask row per position; it ends at the last committed token."""
+        total = sum(len(d) + 1 for r, d in zip(reqs, drafts_of) if r.matcher is not None)
+        if not total:
+            return
+        mask = self._grammar_bitmask(total)
+        idx, off = [], 0
+        for req, drafts in zip(reqs, drafts_of):
+            k = len(drafts)
+            if req.matcher is not None:
+                m = req.matcher
+                m.rollback(k)
+                for i in range(k + 1):
+                    m.fill_mask(mask, len(idx))
+                    idx.append(off + i)
+                    if i < k:
+                        m.accept(drafts[i])
+                m.rollback(k)
+            off += k + 1
+        self._apply_mask_rows(mask, idx, row_logits)
+
+    def _accept_drafts(self, req: Req, drafts: list[int], targets: list[int], lp: torch.Tensor | None) -> TokenOutput:
+        """Commit the kept drafts and the model's own token, checking finish after each exactly
+        as single-token decoding does; free the KV slots of rejected drafts."""
+        k = len(drafts)
         end = len(req.fill_ids)                 # positions that got KV this step
-        drafts = req.output_ids[-req.num_draft:]
-        self._drop_drafts(req)
-        if self._bitmask is None:
-            self._grammar_bitmask(1)
-        mask = self._bitmask[:1]
-        blocked = sorted(self.eos_ids | set(req.params.stop_token_ids))
+        del req.output_ids[-k:]                 # (the matcher is already back before the drafts)
+        req.num_draft = 0
         start = len(req.output_ids)
-        valid_kv = len(req.fill_ids)            # the last sampled token's KV was computed this step
+        valid_kv = len(req.fill_ids)            # the last committed token's KV was computed this step
         reason = None
-        for i in range(len(drafts) + 1):
-            row = rows[i:i + 1].clone()
-            req.matcher.fill_mask(mask, 0)
-            apply_token_bitmask_(row, mask.to(row.device))
-            if len(req.output_ids) < req.params.min_new_tokens:
-                row[0, blocked] = float("-inf")
-            tok = int(row.argmax())
-            if not req.matcher.accept(tok):
-                reason = {"type": "abort", "message": f"internal error: the grammar rejected token {tok}"}
+        kept = 0
+        for i, tok in enumerate(targets):
+            if req.matcher is not None and not req.matcher.accept(tok):
+                reason = _grammar_rejected(req.matcher, tok, self.runner.vocab_size)
                 break
             req.output_ids.append(tok)
-            matched = i < len(drafts) and tok == drafts[i]
-            if matched:
-                valid_kv += 1                       # a kept draft: its KV (computed this step) stands
+            matched = i < k and tok == drafts[i]
+            kept += matched                     # a kept draft: its KV (computed this step) stands
             reason = self._check_finish(req, tok)
             if reason is not None or not matched:
                 break
+        if reason is None and self._direct_jump(req) and self._jump_forward(req):
+            reason = self._check_finish(req, req.output_ids[-1])   # as after a sampled token
         new = req.output_ids[start:]
         self.num_generated_tokens += len(new)
-        self.num_jump_forward_tokens += max(len(new) - 1, 0)
+        if req.draft_source == "ngram":
+            self.num_spec_proposed_tokens += k
+            self.num_spec_accepted_tokens += kept
+        else:
+            self.num_jump_forward_tokens += max(len(new) - 1, 0)
         # KV stands for the kept drafts only: not for the model's own last token (its slot may
         # hold a rejected draft's KV) nor for an EOS a finished grammar appended.
-        req.kv_len = valid_kv
+        req.kv_len = valid_kv + kept
         if end > req.kv_len:                    # slots of rejected drafts
             self.allocator.free(self.table.table[req.row, req.kv_len:end].clone())
+        out = TokenOutput(rid=req.rid, new_ids=new, prompt_tokens=len(req.origin_ids),
+                          cached_tokens=max(req.cached_tokens, 0), finish_reason=reason)
+        if lp is not None:
+            sampled = len(new) if reason is None or req.matcher is None else min(len(new), kept + 1)
+            out.output_logprobs = [[float(lp[i, t]), t] for i, t in enumerate(new[:sampled])]
+            if req.top_logprobs_num > 0:
+                out.output_top_logprobs = [_top(lp[i], req.top_logprobs_num) for i in range(sampled)]
         if reason is None:
-            self._propose_drafts(req)
-        return TokenOutput(rid=req.rid, new_ids=new, prompt_tokens=len(req.origin_ids),
-                           cached_tokens=max(req.cached_tokens, 0), finish_reason=reason)
+            self._propose(req)
+        return out
 
     def _jump_forward(self, req: Req) -> bool:
         """Append the text the grammar forces next without sampling it. The just-sampled token has
@@ -502,14 +627,31 @@ class Scheduler:
         idx = [i for i, r in enumerate(reqs) if r.matcher is not None]
         if not idx:
             return
-        from plait.grammar import apply_token_bitmask_
         mask = self._grammar_bitmask(len(idx))
         for j, i in enumerate(idx):
             reqs[i].matcher.fill_mask(mask, j)
-        rows = torch.tensor(idx, dtype=torch.int64, device=row_logits.device)
-        sub = row_logits.index_select(0, rows)
-        apply_token_bitmask_(sub, mask.to(sub.device))
-        row_logits.index_copy_(0, rows, sub)
+        self._apply_mask_rows(mask, idx, row_logits)
+
+    def _apply_mask_rows(self, mask: torch.Tensor, idx: list[int], row_logits: torch.Tensor) -> None:
+        """Apply mask row j to logits row idx[j], in place. The mask is applied to all rows at
+        once, unconstrained ones getting an all-allowed row: copying the constrained logits rows
+        out and back costs ~30x more than the mask itself (4-8 ms at batch 32)."""
+        from plait.grammar import apply_token_bitmask_
+        n = row_logits.shape[0]
+        if idx != list(range(n)):
+            full = self._full_mask_buffer(n, mask.shape[1])
+            full.fill_(-1)
+            full[torch.tensor(idx, dtype=torch.int64)] = mask[:len(idx)]
+            mask = full
+        apply_token_bitmask_(row_logits, mask[:n].to(row_logits.device))
+
+    def _full_mask_buffer(self, rows: int, width: int) -> torch.Tensor:
+        """A [rows, width] int32 buffer reused across steps (grown when a batch needs more)."""
+        buf = self._full_bitmask
+        if buf is None or buf.shape[0] < rows:
+            buf = self._full_bitmask = torch.empty(max(rows, self.args.max_running_requests), width,
+                                                   dtype=torch.int32)
+        return buf[:rows]
 
     # --- logprobs --------------------------------------------------------------------------
     def _collect_input_logprobs(self, req: Req, start: int, logits: torch.Tensor) -> None:
@@ -606,6 +748,10 @@ class Scheduler:
                            prompt_tokens=len(req.origin_ids), cached_tokens=max(req.cached_tokens, 0))
 
 
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
 def _top(row: torch.Tensor, k: int) -> list[list]:
     vals, ids = torch.topk(row, k)
     return [[v, i] for v, i in zip(vals.tolist(), ids.tolist())]
@@ -623,3 +769,16 @@ def _eos_ids(config, tokenizer) -> set[int]:
         elif isinstance(src, (list, tuple)):
             ids.update(int(x) for x in src)
     return ids
+
+
+def _grammar_rejected(matcher, tok: int, vocab_size: int) -> dict:
+    """The abort reason when a grammar refuses the sampled token: the client's grammar when it
+    allows no token at all (it cannot be met with this vocabulary: a 400), else a bug (a 500)."""
+    from plait.grammar import allocate_token_bitmask
+    mask = allocate_token_bitmask(1, vocab_size)
+    mask.zero_()
+    matcher.fill_mask(mask, 0)
+    if not bool(mask.any()):
+        return {"type": "abort", "message": "invalid grammar: no token of the model's vocabulary can continue the "
+                                            "constrained output"}
+    return {"type": "abort", "message": f"internal error: the grammar rejected sampled token {tok}"}

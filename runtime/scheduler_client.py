@@ -25,7 +25,7 @@ from .ipc import (DETOKENIZER_OUT, SCHEDULER_IN, SCHEDULER_OUT, AbortReq, Codec,
                   RpcReply, RpcReq, Shutdown, TokenOutputBatch, endpoint, make_ipc_dir, pull_socket, push_socket,
                   remove_ipc_dir)
 from .request import GenerateInput, TokenOutput
-from .scheduler_process import run_scheduler
+from .scheduler_process import free_loopback_addr, run_scheduler, tp_worker_processes
 from .server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -74,6 +74,8 @@ class SchedulerClient:
         self._closed = False
         self._thread: threading.Thread | None = None
         child_args = dataclasses.replace(args, model=model_path)
+        if args.tp_size > 1 and not args.dist_init_addr:   # single node: rank 0's store on loopback
+            child_args.dist_init_addr = free_loopback_addr()
         spawn = mp.get_context("spawn")
         # daemon: multiprocessing terminates them at interpreter exit even if nobody shuts down.
         self.process = spawn.Process(
@@ -82,15 +84,20 @@ class SchedulerClient:
         self.detokenizer = spawn.Process(
             target=run_detokenizer, args=(model_path, self.ipc_dir, os.getpid(), args.log_level),
             name="plait-detokenizer", daemon=True)
+        # Tensor parallelism: ranks > 0, which only run the forwards rank 0 (the scheduler) sends.
+        self.tp_workers = tp_worker_processes(child_args, self.ipc_dir, os.getpid())
         try:
             self.process.start()
             self.detokenizer.start()
+            for proc in self.tp_workers:
+                proc.start()
         except BaseException:
             self.close()
             raise
 
     def _processes(self) -> list[tuple[str, Any]]:
-        return [("scheduler", self.process), ("detokenizer", self.detokenizer)]
+        return [("scheduler", self.process), ("detokenizer", self.detokenizer)] + \
+            [(proc.name, proc) for proc in self.tp_workers]
 
     # --- start-up ------------------------------------------------------------------------------
     def wait_ready(self) -> dict[str, Any]:
@@ -122,7 +129,7 @@ class SchedulerClient:
                     wait = LATE_FATAL_S if name == "scheduler" and self.detokenizer.is_alive() else 0.5
                     if self._recv.poll(int(wait * 1000)):
                         break
-                    what = "the model was loaded" if name == "scheduler" else "the tokenizer was loaded"
+                    what = "the tokenizer was loaded" if name == "detokenizer" else "the model was loaded"
                     raise RuntimeError(f"the {name} process exited with code {proc.exitcode} "
                                        f"before {what} (its error output is above); {_MAIN_GUARD_HINT}")
         except BaseException:
@@ -256,10 +263,14 @@ class SchedulerClient:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=RECV_POLL_MS / 1000 * 5)
         serving = thread is not None
-        procs = [(name, proc, sock) for (name, proc), sock in zip(self._processes(), (self._send, self._send_detok))
+        # tensor-parallel ranks > 0 have no socket: rank 0 stops them when it stops
+        socks = (self._send, self._send_detok) + (None,) * len(self.tp_workers)
+        procs = [(name, proc, sock) for (name, proc), sock in zip(self._processes(), socks)
                  if proc.pid is not None]   # those that were started
         if serving:   # ask both to stop at once; while they load, SIGTERM stops them at once
             for _, proc, sock in procs:
+                if sock is None:
+                    continue
                 try:
                     sock.send(self._codec.encode(Shutdown()), zmq.NOBLOCK)
                 except zmq.ZMQError:

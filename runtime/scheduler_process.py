@@ -6,14 +6,21 @@ when idle, so an idle worker sleeps instead of spinning), handle each message, r
 process, which turns ids into text and passes everything on to the engine. It exits on a Shutdown
 message, on SIGTERM, or when its parent process is gone, so no orphan outlives the engine.
 
+With tensor parallelism this process is rank 0: every forward it runs is first sent to the other
+ranks (`run_tp_worker` processes, which only run forwards), and while idle it sends them a
+keepalive, so a dead rank is noticed before the next request. A failed collective is fatal: the
+held requests are aborted with the error, a Fatal goes to the engine, and the process exits.
+
 Started with multiprocessing's "spawn" context (a fresh interpreter: torch and its thread pools
 are never forked). This module imports nothing heavy at the top, so the parent can import it.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -33,6 +40,8 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 100
 # How long the last messages (outputs, a Fatal) may take to leave when the process exits.
 SEND_LINGER_MS = 1000
+# Tensor parallelism: the longest rank 0 stays silent towards the other ranks while idle.
+KEEPALIVE_S = 1.0
 
 
 class SchedulerWorker:
@@ -49,6 +58,7 @@ class SchedulerWorker:
         # rid -> detokenization options, attached to the request's first output (then dropped)
         self.detok_opts: dict[str, tuple[bool, bool]] = {}
         self.stopping = False
+        self.fatal: str | None = None   # set when the process cannot go on (a tensor-parallel rank is gone)
 
     def handle(self, msg: Any) -> None:
         """Act on one incoming message."""
@@ -80,6 +90,8 @@ class SchedulerWorker:
         except Exception as e:
             logger.exception("scheduler step failed")
             outputs = self._abort_all(f"internal error: {type(e).__name__}: {e}")
+            if getattr(e, "fatal", False):   # parallel.RankFailure: the ranks can no longer step together
+                self.fatal = str(e)
         self._emit(outputs)
 
     def _abort_all(self, message: str) -> list[TokenOutput]:
@@ -116,7 +128,8 @@ class SchedulerWorker:
                     "num_generated_tokens": s.num_generated_tokens, "num_retractions": s.num_retractions, "num_jump_forward_tokens": s.num_jump_forward_tokens,
                     "max_total_num_tokens": s.num_slots, "cache_size": s.cache.total_size(),
                     "free_slots": s.allocator.available(), "context_length": s.context_len,
-                    "num_running": len(s.running), "num_waiting": len(s.waiting)}
+                    "num_running": len(s.running), "num_waiting": len(s.waiting),
+                    "tp_size": s.args.tp_size, **s.speculative_stats()}
         raise ValueError(f"unknown method {method!r}")
 
 
@@ -130,7 +143,8 @@ def ready_info(scheduler: Any) -> dict[str, Any]:
     return {"model_path": runner.model_path, "tokenizer_path": runner.model_path,
             "context_len": scheduler.context_len, "num_slots": scheduler.num_slots,
             "vocab_size": runner.vocab_size, "eos_ids": sorted(scheduler.eos_ids),
-            "dtype": str(runner.dtype).removeprefix("torch."), "device": str(runner.device), "pid": os.getpid()}
+            "dtype": str(runner.dtype).removeprefix("torch."), "device": str(runner.device), "pid": os.getpid(),
+            "tp_size": scheduler.args.tp_size}
 
 
 def run_scheduler(args: ServerArgs, ipc_dir: str, parent: int) -> None:
@@ -149,14 +163,16 @@ def run_scheduler(args: ServerArgs, ipc_dir: str, parent: int) -> None:
     def send(msg: msgspec.Struct) -> None:
         out.send(codec.encode(msg))
 
-    orphaned = False
+    orphaned = fatal = False
     loading = threading.Event()
     loading.set()
     threading.Thread(target=_exit_if_orphaned_while, args=(loading, parent, ipc_dir), daemon=True).start()
     try:
         try:
             import torch
-            torch.set_num_threads(args.num_threads or len(os.sched_getaffinity(0)))
+
+            from .parallel import threads_per_rank
+            torch.set_num_threads(threads_per_rank(args))
             from .scheduler import Scheduler
             scheduler = Scheduler(args)
         except Exception as e:  # reported to the parent, which raises it from Engine()
@@ -165,22 +181,35 @@ def run_scheduler(args: ServerArgs, ipc_dir: str, parent: int) -> None:
             return
         finally:
             loading.clear()
+        # Everything loaded so far lives as long as the process: keep the collector from walking it
+        # on every full collection while serving and again at exit (seconds with torch loaded).
+        gc.freeze()
         send(Ready(info=ready_info(scheduler)))
-        orphaned = _serve(SchedulerWorker(scheduler, send), recv, codec, parent)
+        worker = SchedulerWorker(scheduler, send)
+        try:
+            orphaned = _serve(worker, recv, codec, parent)
+        finally:
+            scheduler.runner.close()   # releases the other tensor-parallel ranks
+        if worker.fatal is not None:
+            send(Fatal(message=worker.fatal))
+            fatal = True
     finally:
         recv.close()
         out.close(linger=0 if orphaned else SEND_LINGER_MS)   # nobody left to read them
         ctx.term()
     if orphaned or os.getppid() != parent:   # a dead parent cannot remove its socket directory
         remove_ipc_dir(ipc_dir)
+    if fatal:
+        sys.exit(1)
 
 
-def _exit_if_orphaned_while(loading: threading.Event, parent: int, ipc_dir: str) -> None:
+def _exit_if_orphaned_while(loading: threading.Event, parent: int, ipc_dir: str | None) -> None:
     """Loading a large model takes long and cannot be interrupted from the serve loop: if the
     parent dies meanwhile, exit at once."""
     while loading.is_set():
         if os.getppid() != parent:
-            remove_ipc_dir(ipc_dir)
+            if ipc_dir is not None:
+                remove_ipc_dir(ipc_dir)
             os._exit(1)
         time.sleep(0.5)
 
@@ -193,12 +222,22 @@ def _serve(worker: SchedulerWorker, recv: zmq.Socket, codec: Codec, parent: int)
     poller = zmq.Poller()
     poller.register(recv, zmq.POLLIN)
     sched = worker.scheduler
-    while not (worker.stopping or terminated):
+    parallel = getattr(sched.runner, "channel", None) is not None
+    last_sync = time.monotonic()
+    while not (worker.stopping or terminated or worker.fatal):
         if os.getppid() != parent:
             logger.warning("the engine process is gone; the scheduler exits")
             return True
         if not sched.has_work():
             poller.poll(IDLE_POLL_MS)
+            if parallel and time.monotonic() - last_sync > KEEPALIVE_S:
+                last_sync = time.monotonic()
+                try:
+                    sched.runner.keepalive()
+                except RuntimeError as e:   # parallel.RankFailure
+                    logger.error("%s", e)
+                    worker.fatal = str(e)
+                    break
         while True:
             try:
                 data = recv.recv(zmq.NOBLOCK)
@@ -210,4 +249,66 @@ def _serve(worker: SchedulerWorker, recv: zmq.Socket, codec: Codec, parent: int)
                 logger.exception("could not handle a message")
         if sched.has_work() and not worker.stopping:
             worker.step()
+            last_sync = time.monotonic()
     return False
+
+
+# --- tensor parallelism: ranks > 0 -------------------------------------------------------------
+def tp_worker_processes(args: ServerArgs, ipc_dir: str | None, parent: int) -> list:
+    """This node's tensor-parallel ranks other than rank 0 (all of them on nodes > 0), as spawn
+    processes not yet started. `args.dist_init_addr` must be set."""
+    import multiprocessing as mp
+
+    from .parallel import ranks_on_this_node
+    spawn = mp.get_context("spawn")
+    return [spawn.Process(target=run_tp_worker, args=(args, rank, ipc_dir, parent), name=f"tp rank {rank}",
+                          daemon=True)
+            for rank in ranks_on_this_node(args) if rank != 0]
+
+
+def free_loopback_addr() -> str:
+    """`127.0.0.1:PORT` with a port free now: the single-node default for `dist_init_addr`."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def run_tp_worker(args: ServerArgs, rank: int, ipc_dir: str | None, parent: int) -> None:
+    """Process entry point of tensor-parallel rank `rank` > 0: load this rank's shard, then run the
+    forwards rank 0 sends until it says stop. Exits (code 1) when rank 0 is gone or the group
+    fails, and at once when process `parent` is gone. A load failure is reported to the engine
+    as a Fatal when `ipc_dir` is given (on node 0)."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch is imported
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.getLogger("plait").setLevel(args.log_level.upper())
+    alive = threading.Event()
+    alive.set()   # for the whole life of the process: the main thread blocks in collectives
+    threading.Thread(target=_exit_if_orphaned_while, args=(alive, parent, None), daemon=True).start()
+    try:
+        from .model_runner import ModelRunner
+        runner = ModelRunner(args, rank)
+    except Exception as e:
+        logger.error("tensor-parallel rank %d failed to start: %s", rank, e)
+        if ipc_dir is not None:
+            _send_fatal(ipc_dir, Fatal(message=str(e), kind="value" if isinstance(e, ValueError) else "runtime",
+                                       traceback=traceback.format_exc(), process=f"tp rank {rank}"))
+        sys.exit(1)
+    gc.freeze()   # as in run_scheduler
+    try:
+        runner.follow()
+    except RuntimeError as e:   # RankFailure: rank 0 is gone; the engine hears of it from rank 0 or its exit
+        logger.warning("tensor-parallel rank %d stops: %s", rank, e)
+        sys.exit(1)
+    finally:
+        runner.close()
+
+
+def _send_fatal(ipc_dir: str, msg: Fatal) -> None:
+    ctx = zmq.Context()
+    sock = push_socket(ctx, endpoint(ipc_dir, SCHEDULER_OUT), linger_ms=SEND_LINGER_MS)
+    try:
+        sock.send(Codec(ToScheduler).encode(msg))
+    finally:
+        sock.close()
+        ctx.term()

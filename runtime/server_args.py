@@ -18,12 +18,24 @@ class ServerArgs:
     schedule_policy: str = "lpm"             # lpm (longest prefix match first) | fcfs
     disable_radix_cache: bool = False
     disable_weight_prepack: bool = False     # CPU: keep plain F.linear instead of oneDNN-prepacked weights
+    enable_torch_compile: bool = False       # torch.compile the model step (the attention backend stays eager)
+    quantization: str | None = None          # None | int8 (per-channel int8 weights) | fp8 (CUDA sm90+; else int8)
     num_threads: int | None = None           # torch intra-op threads; default: all cores
     random_seed: int | None = None
     revision: str | None = None
-    grammar_backend: str = "xgrammar"        # xgrammar | outlines | llguidance
+    grammar_backend: str = "auto"            # auto (llguidance for JSON schemas, else xgrammar; fallback) | xgrammar | llguidance | outlines
     grammar_compile_timeout: float = 30.0    # seconds; a slower compile fails that request
     disable_jump_forward: bool = False       # jump-forward: append grammar-forced text without sampling
+    speculative_algorithm: str | None = None # None | ngram (prompt lookup: drafts copied from prompt + output)
+    speculative_num_draft_tokens: int = 8    # draft tokens proposed per step and request
+    speculative_ngram_min_match: int = 1     # shortest suffix n-gram looked up
+    speculative_ngram_max_match: int = 4     # longest suffix n-gram looked up (tried first)
+    speculative_max_batch: int = 4           # speculate only while at most this many requests run
+    tp_size: int = 1                         # tensor-parallel ranks (one scheduler process each)
+    nnodes: int = 1                          # nodes the tp ranks are spread over (tp_size / nnodes per node)
+    node_rank: int = 0                       # this node's index; node 0 runs rank 0, which serves requests
+    dist_init_addr: str | None = None        # HOST:PORT of rank 0's rendezvous store; default: a free loopback port
+    dist_timeout: float = 300.0              # seconds a collective may wait on a silent rank before failing
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
@@ -34,10 +46,38 @@ class ServerArgs:
         for name in ("max_running_requests", "chunked_prefill_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.grammar_backend not in ("xgrammar", "outlines", "llguidance"):
-            raise ValueError(f"grammar_backend must be xgrammar, outlines or llguidance, got {self.grammar_backend!r}")
+        if self.grammar_backend not in ("auto", "xgrammar", "outlines", "llguidance"):
+            raise ValueError(f"grammar_backend must be auto, xgrammar, outlines or llguidance, "
+                             f"got {self.grammar_backend!r}")
+        if self.speculative_algorithm not in (None, "ngram"):
+            raise ValueError(f"speculative_algorithm must be 'ngram' (or unset), got {self.speculative_algorithm!r}")
+        for name in ("speculative_num_draft_tokens", "speculative_ngram_min_match", "speculative_max_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.speculative_ngram_max_match < self.speculative_ngram_min_match:
+            raise ValueError("speculative_ngram_max_match must be >= speculative_ngram_min_match")
+        if self.quantization not in (None, "int8", "fp8"):
+            raise ValueError(f"quantization must be int8 or fp8 (or unset), got {self.quantization!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError(f"max_total_tokens must be >= 2, got {self.max_total_tokens}")
+        if not 0 < self.kv_memory_fraction <= 0.9:   # the KV pool must leave room for the rest: no OOM kill
+            raise ValueError(f"kv_memory_fraction must be in (0, 0.9], got {self.kv_memory_fraction}")
+
+        for name in ("tp_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size ({self.tp_size}) must be a multiple of nnodes ({self.nnodes})")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("dist_init_addr (HOST:PORT of node 0) is required when nnodes > 1")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"dist_init_addr must be HOST:PORT, got {self.dist_init_addr!r}")
+        if self.dist_timeout <= 0:
+            raise ValueError(f"dist_timeout must be > 0, got {self.dist_timeout}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "ServerArgs":

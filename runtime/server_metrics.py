@@ -38,6 +38,10 @@ class ServerMetrics:
                                     "over all prompt tokens since start", registry=reg)
         self.kv_usage = Gauge(PREFIX + "kv_usage", "Fraction of KV slots not free (requests and prefix cache)",
                               registry=reg)
+        self.spec_accept_rate = Gauge(PREFIX + "spec_accept_rate", "Speculative (n-gram) draft tokens kept "
+                                      "over those proposed, since start", registry=reg)
+        self.spec_accepted = Gauge(PREFIX + "spec_accepted_tokens", "Speculative draft tokens kept, since start",
+                                   registry=reg)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token (streams)",
                               buckets=_TTFT_BUCKETS, registry=reg)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between tokens (streams)",
@@ -64,6 +68,8 @@ class ServerMetrics:
             self.queued.set(info.get("num_waiting", 0))
             self.cache_hit_rate.set(cache_hit_rate(info))
             self.kv_usage.set(kv_usage(info))
+            self.spec_accept_rate.set(info.get("spec_accept_rate") or 0.0)
+            self.spec_accepted.set(info.get("num_spec_accepted_tokens") or 0)
         return generate_latest(self.registry)
 
 

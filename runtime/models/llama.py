@@ -1,7 +1,8 @@
 """The Llama decoder family: Llama (SmolLM2), Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm).
 
 Weights arrive with HF names and are mapped onto merged projections (qkv, gate_up) so each
-layer runs two fewer matmuls. Attention goes through an `AttentionBackend`, which owns the KV pool.
+layer runs two fewer matmuls; with tensor parallelism each rank keeps its shard of every piece
+(see `parallel.py`). Attention goes through an `AttentionBackend`, which owns the KV pool.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from torch import nn
 
 from ..attention import AttentionBackend
 from ..forward_batch import ForwardBatch
+from ..parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
+                        head_split, unwrap_single_rank)
 
 
 def rope_parameters(config) -> dict:
@@ -60,18 +63,25 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """Self-attention over this rank's heads (all of them at tp_size 1); KV heads are replicated
+    on several ranks when there are fewer of them than ranks."""
+
     def __init__(self, config, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv = config.num_key_value_heads or total_heads
+        (q_first, self.num_heads), (kv_first, self.kv_heads) = head_split(total_heads, total_kv)
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        d = self.head_dim
+        q_rows, kv_rows = (q_first * d, self.q_size), (kv_first * d, self.kv_size)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [total_heads * d, total_kv * d, total_kv * d],
+                                             bias=bias, shards=[q_rows, kv_rows, kv_rows])
+        self.o_proj = RowParallelLinear(total_heads * d, config.hidden_size, shard=q_rows)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -93,9 +103,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=False)
-        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
+        inter = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter], name="intermediate_size")
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, shard=self.gate_up_proj.pieces[0][:2])
+        self.intermediate = self.gate_up_proj.output_sizes[0]   # this rank's share
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -116,57 +127,51 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder-only LM over the paged KV pool. `forward` returns logits at `batch.logits_index`."""
+    """Decoder-only LM over the paged KV pool. `forward` returns logits at `batch.logits_index`
+    (on rank 0; None on the other tensor-parallel ranks)."""
 
     def __init__(self, config, max_positions: int | None = None):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.packed_lm_head = None
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
+                                      tied=self.embed_tokens if self.tie_word_embeddings else None)
         head_dim = self.layers[0].self_attn.head_dim
         cos, sin = rope_cos_sin(config, head_dim, max_positions or config.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor | None:
         x = self.embed_tokens(batch.input_ids)
         cos = self.rope_cos[batch.positions].to(x.dtype)[:, None, :]
         sin = self.rope_sin[batch.positions].to(x.dtype)[:, None, :]
         for layer in self.layers:
             x = layer(x, cos, sin, batch, backend)
-        x = self.norm(x.index_select(0, batch.logits_index))
-        if self.packed_lm_head is not None:
-            return self.packed_lm_head(x).float()
-        return F.linear(x, self.lm_head_weight()).float()
+        return self.lm_head(self.norm(x.index_select(0, batch.logits_index)))
 
     def prepack_for_cpu(self) -> bool:
         """Reorder every projection (and the LM head, also when tied) for oneDNN; CPU only."""
-        from ..prepack import PackedLinear, prepack_available, prepack_linears
+        from ..prepack import prepack_available, prepack_linears
         if not prepack_available() or self.embed_tokens.weight.device.type != "cpu":
             return False
-        self.packed_lm_head = PackedLinear(self.lm_head_weight(), None)
-        if not self.tie_word_embeddings:
-            del self.lm_head
+        self.lm_head.prepack()
         prepack_linears(self)
         return True
 
     # --- weights -------------------------------------------------------------------------------
-    _STACKED = (  # (our param, HF name piece, shard index)
+    _STACKED = (  # (our module, HF module, piece)
         ("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
         ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
     )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in; every parameter must be filled exactly once."""
+        """Copy HF-named tensors in (each rank keeps its shard); every parameter must be filled
+        exactly once."""
+        modules = dict(self.named_modules())
         params = dict(self.named_parameters())
         filled: set[str] = set()
         for name, tensor in weights:
@@ -175,38 +180,31 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
+            module_name, _, param = name.rpartition(".")
+            piece = 0
             for ours, theirs, shard in self._STACKED:
-                if f".{theirs}." in name:
-                    target = name.replace(theirs, ours)
-                    param = params[target]
-                    start, size = self._shard_range(ours, shard, param.shape[0])
-                    param.data[start:start + size].copy_(tensor)
-                    filled.add(f"{target}#{shard}")
+                if module_name.endswith("." + theirs):
+                    module_name, piece = module_name[:-len(theirs)] + ours, shard
                     break
-            else:
-                if name not in params:
-                    raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            module = modules.get(module_name)
+            if hasattr(module, "load_weight"):   # a parallel layer: it picks this rank's shard
+                module.load_weight(param, tensor, piece)
+                filled.add(f"{module_name}.{param}#{piece}")
+            elif name in params:
                 params[name].data.copy_(tensor)
                 filled.add(name)
-        missing = [n for n in self._expected_fills(params) if n not in filled]
+            else:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        missing = [n for n in self._expected_fills() if n not in filled]
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        unwrap_single_rank(self)   # tp_size 1: plain nn.Linear projections, no wrappers in the hot path
 
-    def _shard_range(self, ours: str, shard: int, total: int) -> tuple[int, int]:
-        if ours == "gate_up_proj":
-            size = total // 2
-            return shard * size, size
-        attn = self.layers[0].self_attn
-        sizes = (attn.q_size, attn.kv_size, attn.kv_size)
-        return sum(sizes[:shard]), sizes[shard]
-
-    def _expected_fills(self, params: dict) -> list[str]:
-        out = []
-        for name in params:
-            if ".qkv_proj." in name:
-                out += [f"{name}#{i}" for i in range(3)]
-            elif ".gate_up_proj." in name:
-                out += [f"{name}#{i}" for i in range(2)]
-            else:
-                out.append(name)
+    def _expected_fills(self) -> list[str]:
+        out, owned = [], []
+        for name, module in self.named_modules():
+            if hasattr(module, "weight_keys"):
+                out += [f"{name}.{key}" for key in module.weight_keys()]
+                owned.append(name + ".")
+        out += [n for n, _ in self.named_parameters() if not n.startswith(tuple(owned))]
         return out
