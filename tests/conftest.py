@@ -15,6 +15,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from plait.frontend import BaseBackend  # noqa: E402
+
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -99,3 +101,21 @@ def serve(app):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+class SlowBackend(BaseBackend):
+    """Answers every gen with "x" after `delay` seconds; counts calls running at once."""
+
+    def __init__(self, delay: float = 0.3):
+        super().__init__("default")
+        self.delay, self.running, self.peak = delay, 0, 0
+        self.lock = threading.Lock()
+
+    def generate(self, text, sampling_params, logprob=None):
+        with self.lock:
+            self.running += 1
+            self.peak = max(self.peak, self.running)
+        time.sleep(self.delay)
+        with self.lock:
+            self.running -= 1
+        return "x", {"finish_reason": {"type": "length"}}

@@ -8,7 +8,6 @@ import math
 import re
 import subprocess
 import sys
-import threading
 import time
 from typing import Literal
 
@@ -17,8 +16,8 @@ import pydantic
 import pytest
 
 import plait
-from plait.frontend import BaseBackend, ProgramError
-from conftest import serve
+from plait.frontend import ProgramError
+from conftest import SlowBackend, serve
 
 GREEDY = {"temperature": 0}
 
@@ -36,22 +35,6 @@ def be(tiny):
     return plait.EngineBackend(tiny)
 
 
-class SlowBackend(BaseBackend):
-    """Answers every gen with "x" after `delay` seconds; counts calls running at once."""
-
-    def __init__(self, delay: float = 0.3):
-        super().__init__("default")
-        self.delay, self.running, self.peak = delay, 0, 0
-        self.lock = threading.Lock()
-
-    def generate(self, text, sampling_params, logprob=None):
-        with self.lock:
-            self.running += 1
-            self.peak = max(self.peak, self.running)
-        time.sleep(self.delay)
-        with self.lock:
-            self.running -= 1
-        return "x", {"finish_reason": {"type": "length"}}
 
 
 # --- mechanics on the tiny model -------------------------------------------------------------------

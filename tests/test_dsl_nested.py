@@ -8,14 +8,13 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
 import plait
-from plait.frontend import BaseBackend, ProgramError
-from conftest import assert_no_leak, serve
+from plait.frontend import ProgramError
+from conftest import SlowBackend, assert_no_leak, serve
 
 GREEDY = {"temperature": 0}
 
@@ -161,26 +160,10 @@ def test_nested_errors_and_batch(be):
     assert states[0]["a"] == states[2]["a"] and states[0].text() == "Start.Q: q?\nA:" + states[0]["a"]
 
 
-class SlowBackend(BaseBackend):
-    """Answers every gen with "x" after `delay` seconds; counts calls running at once."""
-
-    def __init__(self, delay: float = 0.4):
-        super().__init__("default")
-        self.delay, self.running, self.peak = delay, 0, 0
-        self.lock = threading.Lock()
-
-    def generate(self, text, sampling_params, logprob=None):
-        with self.lock:
-            self.running += 1
-            self.peak = max(self.peak, self.running)
-        time.sleep(self.delay)
-        with self.lock:
-            self.running -= 1
-        return "x", {}
 
 
 def test_own_program_calls_run_concurrently():
-    slow = SlowBackend()
+    slow = SlowBackend(0.4)
 
     @plait.function
     def outer(s):
