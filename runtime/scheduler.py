@@ -15,7 +15,7 @@ from concurrent.futures import wait as wait_futures
 
 import torch
 
-from .forward_batch import ForwardBatch
+from .forward_batch import DRAFT_MAX_TOKENS, ForwardBatch
 from .memory_pool import ReqToTokenTable, TokenSlotAllocator
 from .model_runner import ModelRunner
 from .radix_cache import NaiveCache, RadixCache
@@ -439,7 +439,10 @@ class Scheduler:
         budget = req.params.max_new_tokens - len(req.output_ids) - 1   # room for the model's own next token
         if not forced or budget <= 0:
             return
-        self._append_drafts(req, self.tokenizer.encode(forced, add_special_tokens=False)[:budget])
+        # at most DRAFT_MAX_TOKENS positions per verify pass (drafts + the model's own token), so the
+        # request stays in the decode attention group; the rest of the forced text comes next step
+        limit = min(budget, DRAFT_MAX_TOKENS - 1)
+        self._append_drafts(req, self.tokenizer.encode(forced, add_special_tokens=False)[:limit])
 
     def _propose_ngram(self, req: Req) -> None:
         """Append the tokens that followed the latest earlier occurrence of the request's tail."""
