@@ -207,8 +207,12 @@ class Engine:
         return self._call("kv_slots_in_use")
 
     def get_server_info(self) -> dict[str, Any]:
-        """Arguments and counters."""
-        return {"server_args": dict(vars(self.args)), **self._call("get_server_info")}
+        """Arguments and counters; with tensor parallelism, each local rank's process and liveness."""
+        info = {"server_args": dict(vars(self.args)), **self._call("get_server_info")}
+        if self.args.tp_size > 1:
+            procs = [self._client.process, *self._client.tp_workers]
+            info["tp_ranks"] = [{"rank": i, "pid": p.pid, "alive": p.is_alive()} for i, p in enumerate(procs)]
+        return info
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

@@ -58,7 +58,10 @@ def _reference(path: str, prompts: list[list[int]], n: int) -> dict[str, dict]:
 def _run_tp(path: str, prompts: list[list[int]], n: int) -> tuple[list[dict], list[int]]:
     with plait.Engine(model=path, dtype="float32", max_total_tokens=4096, chunked_prefill_size=32,
                       tp_size=2) as eng:
-        assert eng.get_server_info()["tp_size"] == 2
+        info = eng.get_server_info()
+        assert info["tp_size"] == 2
+        assert [(r["rank"], r["alive"]) for r in info["tp_ranks"]] == [(0, True), (1, True)]
+        assert info["tp_ranks"][1]["pid"] == eng.tp_worker_pids[0]
         pids = eng.tp_worker_pids
         assert len(pids) == 1
         results = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": n, "temperature": 0,
