@@ -40,6 +40,8 @@ class ServerMetrics:
                               registry=reg)
         self.spec_accept_rate = Gauge(PREFIX + "spec_accept_rate", "Speculative (n-gram) draft tokens kept "
                                       "over those proposed, since start", registry=reg)
+        self.rank_alive = Gauge(PREFIX + "tp_rank_alive", "1 while the tensor-parallel rank's process runs",
+                                ["rank"], registry=reg)
         self.spec_accepted = Gauge(PREFIX + "spec_accepted_tokens", "Speculative draft tokens kept, since start",
                                    registry=reg)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token (streams)",
@@ -70,6 +72,8 @@ class ServerMetrics:
             self.kv_usage.set(kv_usage(info))
             self.spec_accept_rate.set(info.get("spec_accept_rate") or 0.0)
             self.spec_accepted.set(info.get("num_spec_accepted_tokens") or 0)
+            for r in info.get("tp_ranks") or ():
+                self.rank_alive.labels(rank=str(r["rank"])).set(1 if r["alive"] else 0)
         return generate_latest(self.registry)
 
 

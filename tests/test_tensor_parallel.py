@@ -276,3 +276,11 @@ def test_killed_rank_fails_requests_instead_of_hanging(tiny_model_dirs, victim):
         assert _wait_gone(survivor, 15) == []     # it noticed its peer is gone and exited
     finally:
         eng.shutdown()
+
+
+def test_metrics_report_each_rank():
+    from plait.runtime.server_metrics import ServerMetrics
+    text = ServerMetrics().render({"tp_ranks": [{"rank": 0, "pid": 1, "alive": True},
+                                                {"rank": 1, "pid": 2, "alive": False}]}, 0).decode()
+    assert 'plait_tp_rank_alive{rank="0"} 1.0' in text
+    assert 'plait_tp_rank_alive{rank="1"} 0.0' in text
