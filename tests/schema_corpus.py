@@ -17,6 +17,8 @@ Deliberately absent, because the default backend (xgrammar 0.2.9) accepts but do
 them, so sampled outputs could violate the schema: uniqueItems, multipleOf, allOf, and a pattern
 with an optional group whose body has a variable repetition, e.g. "^[a-z]{1,5}(:[A-Z]{1,10})?$"
 (xgrammar lets the group's leading ":" be skipped; see tests/test_grammar_engine.py).
+Numbers: minimum / maximum bound the value, but no backend bounds a number's fraction digits
+(llguidance, the default for JSON schemas, lets them run on), so a number field counts as free length.
 Kept on purpose although xgrammar does not bound their length (FREE_LENGTH_FORMATS): a few
 email / uri format strings and date-time / time formats; every other e-mail / URL / timestamp
 field uses a bounded pattern.
@@ -1174,8 +1176,21 @@ def formats_used(schema) -> set[str]:
 
 
 def free_length(schema) -> bool:
-    """The schema has a string the default backend lets run on without bound (FREE_LENGTH_FORMATS)."""
-    return bool(formats_used(schema) & set(FREE_LENGTH_FORMATS))
+    """The schema has a value a backend lets run on without bound: a FREE_LENGTH_FORMATS string, or
+    a non-integer number (minimum / maximum bound its value, not its digits: llguidance, the
+    default for JSON schemas, admits any number of fraction digits)."""
+    return bool(formats_used(schema) & set(FREE_LENGTH_FORMATS)) or _has_number(schema)
+
+
+def _has_number(x) -> bool:
+    if isinstance(x, dict):
+        t = x.get("type")
+        if t == "number" or (isinstance(t, list) and "number" in t):
+            return True
+        return any(_has_number(v) for k, v in x.items() if k not in ("enum", "const", "default", "examples"))
+    if isinstance(x, list):
+        return any(_has_number(v) for v in x)
+    return False
 
 
 def describe(name: str) -> str:
