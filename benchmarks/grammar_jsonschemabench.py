@@ -25,6 +25,8 @@ from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from .grammar_corpus import percentile  # noqa: E402  (after OMP_WAIT_POLICY)
+
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
                             "jsonschemabench")
 
@@ -34,14 +36,6 @@ def _default_data() -> str:
         if os.path.exists(os.path.join(cand, "index.json")):
             return os.path.abspath(cand)
     return DEFAULT_DATA
-
-
-def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    k = min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))
-    return xs[k]
 
 
 def _resolve(schema: Any, root: Any, depth: int = 0) -> Any:
@@ -256,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=10.0, help="per-schema compile limit, seconds")
     ap.add_argument("--max-memory-mb", type=int, default=2048, help="outlines: per-compile memory limit")
     ap.add_argument("--json-whitespace", choices=["default", "compact", "any"], default=None)
-    ap.add_argument("--no-strict", action="store_true", help="xgrammar / llguidance / auto: strict_mode=False (objects allow undeclared keys)")
+    ap.add_argument("--no-strict", action="store_true", help="xgrammar / llguidance / auto: strict_mode=False "
+                    "(objects allow undeclared keys)")
     ap.add_argument("--any-order", action="store_true", help="xgrammar: any_order=True (keys in any order)")
     ap.add_argument("--subset", action="append", help="only these subsets")
     ap.add_argument("--limit", type=int, default=None, help="first N schemas (after --subset)")

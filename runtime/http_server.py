@@ -733,15 +733,17 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
 
 
 # --- app --------------------------------------------------------------------------------------
-def add_error_handlers(app: FastAPI) -> None:
+def add_error_handlers(app: FastAPI, what: str = "server") -> None:
     """Every error in the OpenAI shape: ours, FastAPI's validation (400, not 422), routing (404 /
-    405), client disconnects, and anything unexpected (500, logged, no traceback sent)."""
+    405), client disconnects, and anything unexpected (500, logged, no traceback sent). Used by
+    the server and by the router (`what` names it in a 500's message)."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:
         endpoint = GENERATE_ENDPOINTS.get(request.url.path)
-        if endpoint is not None:
-            request.app.state.plait.metrics.count_request(endpoint, exc.status)
+        state = getattr(request.app.state, "plait", None)   # the router keeps no such state
+        if endpoint is not None and state is not None:
+            state.metrics.count_request(endpoint, exc.status)
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
@@ -761,7 +763,7 @@ def add_error_handlers(app: FastAPI) -> None:
     async def unexpected(request: Request, exc: Exception) -> Response:
         # Starlette re-raises after answering, so the server log gets the traceback; the client never.
         logger.error("unhandled error on %s %s: %r", request.method, request.url.path, exc)
-        return ApiError(500, f"internal server error ({type(exc).__name__})").response()
+        return ApiError(500, f"internal {what} error ({type(exc).__name__})").response()
 
 
 async def _log_loop(state: ServerState, interval: float) -> None:

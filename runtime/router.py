@@ -30,14 +30,15 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
 from .http_server import (
     MAX_BODY_BYTES,
     SSE_DONE,
     ApiError,
+    ClientGone,
     GuardMiddleware,
+    add_error_handlers,
     bind_socket,
     json_response,
     sse,
@@ -135,10 +136,6 @@ async def read_body(request: Request) -> bytes:
 async def _wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-class ClientGone(Exception):
-    """The client went away while the router waited on a replica."""
 
 
 async def _race_disconnect(request: Request, aw: Any) -> Any:
@@ -562,7 +559,7 @@ def create_router_app(router: Router, api_key: str | None = None, ready_message:
                 lines += label_metrics(a.text, replica.url, seen)
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    _add_router_error_handlers(app)
+    add_error_handlers(app, "router")
     app.add_middleware(GuardMiddleware, api_key=api_key)
     return app
 
@@ -572,27 +569,6 @@ def _generate_handler(router: Router, path: str) -> Callable:
         return await router.route(request, path)
     handler.__name__ = "route_" + path.strip("/").replace("/", "_")
     return handler
-
-
-def _add_router_error_handlers(app: FastAPI) -> None:
-    """Every error in the OpenAI shape, never a traceback."""
-
-    @app.exception_handler(ApiError)
-    async def api_error(_: Request, exc: ApiError) -> Response:
-        return exc.response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        return ApiError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})).response()
-
-    @app.exception_handler(ClientGone)
-    async def client_gone(_: Request, exc: ClientGone) -> Response:
-        return Response(status_code=499)
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> Response:
-        logger.error("unhandled error on %s %s: %r", request.method, request.url.path, exc)
-        return ApiError(500, f"internal router error ({type(exc).__name__})").response()
 
 
 def run_router(router: Router, host: str, port: int, api_key: str | None = None,
