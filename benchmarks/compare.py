@@ -1,15 +1,25 @@
-"""plait side by side with the peers installed here, one workload, one run, alternating.
+"""plait side by side with the peers installed here, in one run, alternating.
 
-Workload: greedy chat completions of exactly --output-len tokens, in waves of C requests at
-concurrency C (C in --concurrency, default 1 8 32), output tok/s. Engines, taking turns at each
-level so that a change in machine load hits all of them:
+Workloads (`--workloads`, default all three):
+- chat: greedy chat completions of exactly --output-len tokens, in waves of C requests at
+  concurrency C (C in --concurrency, default 1 8 32), output tok/s;
+- json: JSON-schema extraction (the `jump_forward` benchmark's documents and schema), C requests in
+  flight at each C, constrained by the schema on every engine that can constrain; output tok/s and
+  how many outputs validate;
+- programs: the program workload of `plait bench programs` (few-shot QA, tree of thought, JSON
+  extraction and multi-turn chat after a shared ~1000-token prefix). plait runs the programs with
+  `run_batch` (radix cache on) and records every call they send; then the very same calls are
+  replayed with --program-concurrency in flight on plait and on llama.cpp (its prompt cache on).
+
+Engines, taking turns at each level so that a change in machine load hits all of them:
 - plait (`plait.Engine`, in this process);
-- HF transformers `generate`, one request at a time and statically batched (C per call);
+- HF transformers `generate`, one request at a time and statically batched (C per call; chat only:
+  it has no grammar-constrained decoding);
 - llama.cpp on the same GGUF, when a `llama-server` binary is on PATH (continuous batching with
   C slots) or `llama-cpp-python` is installed (its server); otherwise "llama.cpp: not found".
 
-Writes the results as JSON (--json) and a PNG of throughput against concurrency (--plot; needs
-matplotlib: pip install 'plait[bench]').
+Writes the results as JSON (--json) and a PNG of chat throughput against concurrency (--plot;
+needs matplotlib: pip install 'plait[bench]').
 
     plait bench compare --output-len 64 --json compare.json --plot compare.png
 """
@@ -73,18 +83,21 @@ class LlamaCppServer:
                 raise RuntimeError("llama.cpp server did not become ready")
             time.sleep(0.5)
 
-    def complete(self, prompt: str, max_tokens: int) -> int:
-        """One greedy completion; the number of tokens generated."""
-        r = self.client.post(f"{self.url}/v1/completions", json={
-            "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "cache_prompt": False})
+    def complete(self, prompt: str, max_tokens: int, **extra) -> tuple[int, str]:
+        """One completion (greedy, exactly `max_tokens` unless `extra` says otherwise); (tokens
+        generated, text). `extra`: stop, json_schema, ignore_eos, cache_prompt ..."""
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "cache_prompt": False, **extra}
+        r = self.client.post(f"{self.url}/v1/completions", json=body)
         r.raise_for_status()
-        return r.json()["usage"]["completion_tokens"]
+        out = r.json()
+        return out["usage"]["completion_tokens"], out["choices"][0]["text"]
 
     def run(self, prompts: list[str], output_len: int, concurrency: int) -> float:
         """Output tok/s with `concurrency` requests in flight."""
         t = time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
-            tokens = sum(pool.map(lambda p: self.complete(p, output_len), prompts))
+            tokens = sum(n for n, _ in pool.map(lambda p: self.complete(p, output_len), prompts))
         return tokens / (time.perf_counter() - t)
 
     def close(self) -> None:
@@ -108,20 +121,129 @@ def plait_run(engine, prompts: list[str], output_len: int, concurrency: int) -> 
     return tokens / (time.perf_counter() - t)
 
 
+def in_flight(fn, items: list, concurrency: int) -> tuple[float, list]:
+    """Run `fn` on every item with at most `concurrency` calls in flight; (seconds, results)."""
+    t = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(fn, items))
+    return time.perf_counter() - t, results
+
+
+def run_chat(args, engine, hf, tok, llama, prompts: list[str]) -> dict:
+    """The chat workload at every concurrency; {engine: {C: tok/s}}."""
+    from plait.benchmarks.offline import hf_generate
+    levels = sorted(args.concurrency)
+    results: dict = {"plait": {}, "hf_static": {}, "hf_sequential": {}}
+    if llama is not None:
+        results["llama.cpp"] = {}
+    for c in levels:
+        batch = prompts[:c * args.waves]
+        results["plait"][c] = plait_run(engine, batch, args.output_len, c)
+        results["hf_static"][c] = hf_generate(hf, tok, batch, args.output_len, c)
+        if llama is not None:
+            results["llama.cpp"][c] = llama.run(batch, args.output_len, c)
+        # HF one at a time does not depend on C: measured on a few requests, once.
+        if c == levels[0]:
+            k = min(args.hf_sequential, len(prompts))
+            results["hf_sequential"][c] = hf_generate(hf, tok, prompts[:k], args.output_len, 1)
+        print(f"  chat C={c}: " + "  ".join(f"{name} {r[c]:.1f}" for name, r in results.items() if c in r),
+              flush=True)
+    seq = next(iter(results.pop("hf_sequential").values()))
+    results["hf_sequential"] = {c: seq for c in levels}
+    return results
+
+
+def _valid_json(text: str, schema: dict) -> bool:
+    import jsonschema
+    try:
+        jsonschema.validate(json.loads(text), schema)
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+def run_json(args, engine, llama, tokenizer) -> dict:
+    """JSON-schema extraction at every concurrency; {engine: {C: {tok_s, valid, requests}}}."""
+    from plait.benchmarks.jump_forward import SCHEMA, prompts
+    docs = prompts(tokenizer)
+    params = {"json_schema": json.dumps(SCHEMA), "temperature": 0, "max_new_tokens": args.json_max_tokens}
+    results: dict = {"plait": {}}
+    if llama is not None:
+        results["llama.cpp"] = {}
+    for c in sorted(args.concurrency):
+        batch = [docs[i % len(docs)] for i in range(max(c, len(docs)) * args.waves)]
+        engine.flush_cache()
+        dt, outs = in_flight(lambda text: engine.generate(text, params), batch, c)
+        results["plait"][c] = {"tok_s": sum(o["meta_info"]["completion_tokens"] for o in outs) / dt,
+                               "valid": sum(_valid_json(o["text"], SCHEMA) for o in outs), "requests": len(outs)}
+        if llama is not None:
+            dt, outs = in_flight(lambda text: llama.complete(text, args.json_max_tokens, json_schema=SCHEMA,
+                                                             ignore_eos=False), batch, c)
+            results["llama.cpp"][c] = {"tok_s": sum(n for n, _ in outs) / dt,
+                                       "valid": sum(_valid_json(t, SCHEMA) for _, t in outs), "requests": len(outs)}
+        print(f"  json C={c}: " + "  ".join(f"{name} {r[c]['tok_s']:.1f} tok/s ({r[c]['valid']}/{r[c]['requests']} "
+                                            f"valid)" for name, r in results.items()), flush=True)
+    return results
+
+
+def _llama_call(payload: dict) -> tuple[str, int, dict]:
+    """A recorded native /generate call as llama.cpp completion arguments (prompt, max tokens, extra)."""
+    sp = payload.get("sampling_params", {})
+    extra: dict = {"ignore_eos": False, "cache_prompt": True, "temperature": sp.get("temperature", 0)}
+    if sp.get("stop"):
+        extra["stop"] = sp["stop"] if isinstance(sp["stop"], list) else [sp["stop"]]
+    if sp.get("json_schema"):
+        schema = sp["json_schema"]
+        extra["json_schema"] = json.loads(schema) if isinstance(schema, str) else schema
+    return payload["text"], sp.get("max_new_tokens", 16), extra
+
+
+def run_programs(args, engine, llama) -> dict:
+    """The program workload: plait's run_batch, then its recorded calls replayed on each engine."""
+    from plait.benchmarks.programs import _recording_backend, define_programs, few_shot, make_batch
+    workload, _ = define_programs(few_shot(args.num_shots))
+    batch = make_batch(args.num_programs, args.num_shots)
+    engine.flush_cache()
+    be = _recording_backend(engine)
+    t = time.perf_counter()
+    states = workload.run_batch(batch, backend=be, temperature=0, max_new_tokens=args.program_max_tokens,
+                                num_threads=args.program_concurrency)
+    dt = time.perf_counter() - t
+    failed = [st.error() for st in states if st.error() is not None]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(states)} programs failed; the first: {failed[0]!r}")
+    calls = [c for c in be.calls if c.get("sampling_params", {}).get("max_new_tokens", 1) > 0]
+    out = {"programs": len(batch), "calls": len(calls), "plait_run_batch_s": dt}
+    engine.flush_cache()
+    seconds, _ = in_flight(lambda c: engine.generate(c["text"], c["sampling_params"]), calls,
+                           args.program_concurrency)
+    out["replay_s"] = {"plait": seconds}
+    if llama is not None:
+        def replay(call: dict) -> tuple[int, str]:
+            prompt, max_tokens, extra = _llama_call(call)
+            return llama.complete(prompt, max_tokens, **extra)
+        seconds, _ = in_flight(replay, calls, args.program_concurrency)
+        out["replay_s"]["llama.cpp"] = seconds
+    print(f"  programs: plait run_batch {dt:.2f} s; replay of {len(calls)} calls at concurrency "
+          f"{args.program_concurrency}: " + "  ".join(f"{k} {v:.2f} s" for k, v in out["replay_s"].items()), flush=True)
+    return out
+
+
 def compare(args) -> dict:
-    """Run every engine at every concurrency, alternating; returns {engine: {C: tok/s}} and notes."""
+    """Run the chosen workloads on every engine, alternating; returns the results and notes."""
     from plait.benchmarks.offline import hf_generate, load_hf, make_prompts
     from plait.runtime.model_loader import load_tokenizer, resolve_model
 
     import plait
-    prompts = make_prompts(load_tokenizer(resolve_model(args.model)), max(args.concurrency) * args.waves)
+    tokenizer = load_tokenizer(resolve_model(args.model))
+    prompts = make_prompts(tokenizer, max(args.concurrency) * args.waves)
     levels = sorted(args.concurrency)
-    results: dict = {"plait": {}, "hf_static": {}, "hf_sequential": {}}
     notes: list[str] = []
     llama = None
     gguf = gguf_for(args.model)
+    slots = max(levels + [args.program_concurrency])
     command = None if gguf is None or args.skip_llama_cpp else llama_cpp_command(
-        gguf, args.llama_port, args.threads, max(levels), args.ctx_per_slot)
+        gguf, args.llama_port, args.threads, slots, args.ctx_per_slot)
     if args.skip_llama_cpp:
         notes.append("llama.cpp: skipped")
     elif gguf is None:
@@ -130,39 +252,60 @@ def compare(args) -> dict:
         notes.append("llama.cpp: not found (no llama-server on PATH, no llama-cpp-python)")
     else:
         llama = LlamaCppServer(command, args.llama_port)
-        results["llama.cpp"] = {}
         notes.append(f"llama.cpp: {command[0]} on {gguf}")
-    hf, tok = load_hf(args.model, args.dtype, args.threads)
+    hf, tok = load_hf(args.model, args.dtype, args.threads) if "chat" in args.workloads else (None, None)
+    out: dict = {"notes": notes}
     try:
         with plait.Engine(model=args.model, dtype=args.dtype, quantization=args.quantization,
-                          num_threads=args.threads, max_running_requests=max(levels),
+                          num_threads=args.threads, max_running_requests=slots,
                           max_total_tokens=args.max_total_tokens) as engine:
             engine.generate(prompts[0], {"max_new_tokens": 2})   # warm-ups
-            hf_generate(hf, tok, prompts[:1], 2, 1)
-            for c in levels:
-                batch = prompts[:c * args.waves]
-                results["plait"][c] = plait_run(engine, batch, args.output_len, c)
-                results["hf_static"][c] = hf_generate(hf, tok, batch, args.output_len, c)
-                if llama is not None:
-                    results["llama.cpp"][c] = llama.run(batch, args.output_len, c)
-                # HF one at a time does not depend on C: measured on a few requests, once.
-                if c == levels[0]:
-                    k = min(args.hf_sequential, len(prompts))
-                    results["hf_sequential"][c] = hf_generate(hf, tok, prompts[:k], args.output_len, 1)
-                print(f"  C={c}: " + "  ".join(f"{name} {r[c]:.1f}" for name, r in results.items() if c in r),
-                      flush=True)
+            if hf is not None:
+                hf_generate(hf, tok, prompts[:1], 2, 1)
+            if "chat" in args.workloads:
+                out["results"] = run_chat(args, engine, hf, tok, llama, prompts)
+            if "json" in args.workloads:
+                out["json"] = run_json(args, engine, llama, tokenizer)
+            if "programs" in args.workloads:
+                out["programs"] = run_programs(args, engine, llama)
     finally:
         if llama is not None:
             llama.close()
-    seq = next(iter(results.pop("hf_sequential").values()))
-    results["hf_sequential"] = {c: seq for c in levels}
-    return {"results": results, "notes": notes}
+    return out
 
 
 def print_table(out: dict) -> None:
+    print(f"\nload avg {out['load_avg'][0]:.2f}")
+    if "results" in out:
+        print_chat(out)
+    if "json" in out:
+        r = out["json"]
+        levels = sorted(r["plait"])
+        print("\njson extraction: output tok/s (valid / requests)")
+        print(f"{'engine':24}" + "".join(f"{'C=' + str(c):>18}" for c in levels))
+        for name, row in r.items():
+            print(f"{name:24}" + "".join(f"{row[c]['tok_s']:9.1f} ({row[c]['valid']:>2}/{row[c]['requests']:>2})"
+                                         for c in levels))
+        for name, row in r.items():
+            if name != "plait":
+                print(f"{'plait / ' + name:24}" + "".join(f"{r['plait'][c]['tok_s'] / row[c]['tok_s']:17.2f}x"
+                                                          for c in levels))
+    if "programs" in out:
+        p = out["programs"]
+        print(f"\nprograms: {p['programs']} programs, {p['calls']} calls; plait run_batch {p['plait_run_batch_s']:.2f} s "
+              f"({p['programs'] / p['plait_run_batch_s']:.2f} programs/s)")
+        ours = p["replay_s"]["plait"]
+        for name, sec in p["replay_s"].items():
+            ratio = f"  plait / {name}: {sec / ours:.2f}x" if name != "plait" else ""
+            print(f"  replay on {name:12} {sec:8.2f} s  {p['programs'] / sec:6.2f} programs/s{ratio}")
+    for note in out["notes"]:
+        print(note)
+
+
+def print_chat(out: dict) -> None:
     r = out["results"]
     levels = sorted(r["plait"])
-    print(f"\noutput tok/s  (load avg {out['load_avg'][0]:.2f})")
+    print("chat: output tok/s")
     print(f"{'engine':24}" + "".join(f"{'C=' + str(c):>10}" for c in levels))
     for name, row in r.items():
         print(f"{name:24}" + "".join(f"{row[c]:10.1f}" for c in levels))
@@ -170,8 +313,6 @@ def print_table(out: dict) -> None:
     for name, row in r.items():
         if name != "plait":
             print(f"{'plait / ' + name:24}" + "".join(f"{r['plait'][c] / row[c]:9.2f}x" for c in levels))
-    for note in out["notes"]:
-        print(note)
     if "roofline" in out:
         from plait.benchmarks.roofline import fraction_line
         roof = out["roofline"]
@@ -189,6 +330,8 @@ def plot(out: dict, path: str) -> bool:
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
+    if "results" not in out:
+        return True
     for name, row in out["results"].items():
         levels = sorted(row)
         ax.plot(levels, [row[c] for c in levels], marker="o", label=name)
@@ -209,7 +352,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--quantization", default=None, choices=["int8"], help="plait's weights (HF stays float)")
+    ap.add_argument("--quantization", default=None, choices=["int8", "int4"], help="plait's weights (HF stays float)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--waves", type=int, default=1, help="waves of C requests per level")
     ap.add_argument("--output-len", type=int, default=64)
@@ -218,7 +361,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hf-sequential", type=int, default=2, help="requests HF runs one at a time")
     ap.add_argument("--skip-llama-cpp", action="store_true")
     ap.add_argument("--llama-port", type=int, default=30901)
-    ap.add_argument("--ctx-per-slot", type=int, default=512, help="llama.cpp context per slot")
+    ap.add_argument("--ctx-per-slot", type=int, default=2048,
+                    help="llama.cpp context per slot (the program prompts are ~1,300 tokens)")
+    ap.add_argument("--workloads", nargs="+", default=["chat", "json", "programs"],
+                    choices=["chat", "json", "programs"])
+    ap.add_argument("--json-max-tokens", type=int, default=160, help="max new tokens of a JSON extraction")
+    ap.add_argument("--num-programs", type=int, default=16, help="programs of the program workload")
+    ap.add_argument("--num-shots", type=int, default=10, help="worked examples in the programs' shared prefix")
+    ap.add_argument("--program-max-tokens", type=int, default=16, help="max new tokens of each gen in a program")
+    ap.add_argument("--program-concurrency", type=int, default=16, help="programs (replayed calls) in flight")
     ap.add_argument("--skip-roofline", action="store_true")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--plot", help="write a PNG of throughput against concurrency here")

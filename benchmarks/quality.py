@@ -1,6 +1,6 @@
 """Quality of reduced-precision weights against float32: greedy agreement and perplexity.
 
-For each configuration (float32 is the reference; bfloat16 and int8 by default) through plait.Engine:
+For each configuration (float32 is the reference; bfloat16, int8 and int4 by default) through plait.Engine:
 - perplexity on a fixed English text embedded below, and its delta against float32;
 - free-running greedy agreement: N chat prompts x L tokens at temperature 0; the mean fraction of
   the L tokens generated before the first token that differs from float32's;
@@ -9,6 +9,7 @@ For each configuration (float32 is the reference; bfloat16 and int8 by default) 
   not thrown off by one early divergence).
 
     plait bench quality --num-prompts 8 --gen-len 64
+    plait bench quality --configs float32 int8 int4   # weights only
     PLAIT_INT8_KERNEL=int8pack plait bench quality    # another CPU int8 kernel (runtime/quantization.py)
 """
 from __future__ import annotations
@@ -37,16 +38,16 @@ TEXT = (
     "every night, because a light that needs no power from the ship can never fail when it is needed."
 )
 
-DEFAULT_CONFIGS = ("float32", "bfloat16", "int8")
+DEFAULT_CONFIGS = ("float32", "bfloat16", "int8", "int4")
 
 
 def parse_config(name: str) -> dict:
-    """`float32` / `bfloat16` -> that dtype; `int8` / `fp8` -> float32 activations, quantized weights."""
+    """`float32` / `bfloat16` -> that dtype; `int8` / `int4` / `fp8` -> float32 model, quantized weights."""
     if name in ("float32", "bfloat16"):
         return {"dtype": name}
-    if name in ("int8", "fp8"):
+    if name in ("int8", "int4", "fp8"):
         return {"dtype": "float32", "quantization": name}
-    raise ValueError(f"unknown configuration {name!r}: float32, bfloat16, int8 or fp8")
+    raise ValueError(f"unknown configuration {name!r}: float32, bfloat16, int8, int4 or fp8")
 
 
 def run_config(model: str, config: str, prompt_ids: list[list[int]], text_ids: list[int], gen_len: int,
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS),
-                    help="float32 (the reference, always run), bfloat16, int8, fp8")
+                    help="float32 (the reference, always run), bfloat16, int8, int4, fp8")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--gen-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count())

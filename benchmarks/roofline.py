@@ -44,13 +44,13 @@ def measure_bandwidth(size_mb: int = 512, reps: int = 5) -> dict:
 
 def measure_matmul(kind: str, m: int, n: int = 2048, k: int = 2048, reps: int = 5) -> float:
     """GFLOP/s of `[m, k] x [k, n]` for kind float32 / bfloat16 (prepacked oneDNN when available,
-    as plait runs them) or int8 (plait's Int8Linear)."""
+    as plait runs them), int8 or int4 (plait's Int8Linear / Int4Linear)."""
     import torch
     from plait.runtime.prepack import PackedLinear, prepack_available
-    from plait.runtime.quantization import Int8Linear
+    from plait.runtime.quantization import Int4Linear, Int8Linear
     w = torch.randn(n, k) * 0.02
-    if kind == "int8":
-        layer, x = Int8Linear(w, None), torch.randn(m, k)
+    if kind in ("int8", "int4"):
+        layer, x = (Int8Linear if kind == "int8" else Int4Linear)(w, None), torch.randn(m, k)
     else:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[kind]
         w, x = w.to(dtype), torch.randn(m, k, dtype=dtype)
@@ -71,7 +71,7 @@ def measure_machine(threads: int | None = None, quick: bool = False) -> dict:
     if key not in _cache:
         size, ms, dim = (32, (1, 32), 256) if quick else (512, MATMUL_MS, 2048)
         machine = {"threads": key[0], **measure_bandwidth(size, reps=2 if quick else 5), "matmul_gflops": {}}
-        for kind in ("float32", "bfloat16", "int8"):
+        for kind in ("float32", "bfloat16", "int8", "int4"):
             machine["matmul_gflops"][kind] = {m: measure_matmul(kind, m, dim, dim, reps=2 if quick else 5) for m in ms}
         _cache[key] = machine
     return _cache[key]
@@ -87,14 +87,17 @@ def model_costs(config, kind: str) -> dict:
     per_layer = h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h + 3 * h * inter
     params = layers * per_layer + config.vocab_size * h
     rows = layers * ((heads + 2 * kv_heads) * head_dim + h + 2 * inter + h) + config.vocab_size
-    bytes_per = {"float32": 4, "bfloat16": 2, "int8": 1}[kind]
+    bytes_per = {"float32": 4, "bfloat16": 2, "int8": 1}.get(kind, 1)
     weight_bytes = params * bytes_per + (rows * 4 if kind == "int8" else 0)   # + one float scale per row
+    if kind == "int4":   # 4 bits + a bf16 (scale, zero) per 32 weights; the LM head stays int8
+        head = config.vocab_size * h
+        weight_bytes = int((params - head) * (0.5 + 4 / 32)) + head + config.vocab_size * 4
     return {"linear_params": params, "bytes_per_token": weight_bytes, "flops_per_token": 2 * params}
 
 
 def _kind(model_path: str, dtype: str, quantization: str | None) -> str:
-    if quantization == "int8":
-        return "int8"
+    if quantization in ("int8", "int4"):
+        return quantization
     if dtype == "auto":
         import torch
         from plait.runtime.model_loader import load_config
@@ -128,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
-    ap.add_argument("--quantization", default=None, choices=["int8"])
+    ap.add_argument("--quantization", default=None, choices=["int8", "int4"])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test, not a measurement)")
     ap.add_argument("--json", help="write the results here")

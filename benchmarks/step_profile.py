@@ -6,6 +6,7 @@ then `steps` decode steps are timed. Per step: the whole `step()`, the model for
 `--backend` swaps the attention backend to compare (old = the pre-mirror gather backend).
 
     plait bench step_profile [--batch 1 8 32] [--prompt-len 512] [--steps 8] [--backend mirror old]
+    plait bench step_profile --dtype float32 --quantization none int8 int4   # weights compared, one run
 """
 from __future__ import annotations
 
@@ -90,35 +91,45 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--backend", nargs="+", default=["mirror"], choices=["mirror", "gather", "old"])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--enable-torch-compile", action="store_true")
+    ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8", "int4", "fp8"],
+                    help="weights; several: one scheduler each, their steps interleaved batch by batch")
     args = ap.parse_args(argv)
     from plait.runtime.scheduler import Scheduler
     from plait.runtime.server_args import ServerArgs
     batches = sorted(args.batch)
-    sargs = ServerArgs(model=args.model, dtype=args.dtype, num_threads=args.threads,
-                       max_running_requests=max(batches),
-                       max_total_tokens=max(batches) * (args.prompt_len + args.steps + 16) + 4096,
-                       enable_torch_compile=args.enable_torch_compile)
-    sched = Scheduler(sargs)
-    print(f"decode step profile: {args.model} ({sched.runner.dtype}, KV {sched.runner.kv_dtype}), prompts of "
-          f"{args.prompt_len} tokens, {args.steps} steps, torch.compile {'on' if args.enable_torch_compile else 'off'}, "
-          f"load {os.getloadavg()[0]:.2f}")
+    scheds = {}
+    for quant in args.quantization:
+        sargs = ServerArgs(model=args.model, dtype=args.dtype, num_threads=args.threads,
+                           max_running_requests=max(batches),
+                           max_total_tokens=max(batches) * (args.prompt_len + args.steps + 16) + 4096,
+                           enable_torch_compile=args.enable_torch_compile,
+                           quantization=None if quant == "none" else quant)
+        scheds[quant] = Scheduler(sargs)
+    runner = next(iter(scheds.values())).runner
+    print(f"decode step profile: {args.model} ({runner.dtype}, KV {runner.kv_dtype}), prompts of "
+          f"{args.prompt_len} tokens, {args.steps} steps, "
+          f"torch.compile {'on' if args.enable_torch_compile else 'off'}, load {os.getloadavg()[0]:.2f}")
     print("ms per decode step (wall; 'CPU' is the process's CPU time, steadier on a loaded machine)")
-    print(f"{'backend':>7} {'batch':>5} | {'step ms':>8} {'forward':>8} {'sched':>7} {'(build)':>8} | {'sched %':>7} | "
-          f"{'step CPU':>8}")
+    print(f"{'backend':>7} {'weights':>7} {'batch':>5} | {'step ms':>8} {'forward':>8} {'sched':>7} {'(build)':>8} | "
+          f"{'sched %':>7} | {'step CPU':>8}")
     results = {}
     for name in args.backend:
-        backend = make_backend(name, sched.runner.pool)
-        if args.enable_torch_compile:     # as ModelRunner does: attention stays eager
-            import torch
-            backend.forward = torch.compiler.disable(backend.forward)
-        sched.runner.backend = backend
+        for sched in scheds.values():
+            backend = make_backend(name, sched.runner.pool)
+            if args.enable_torch_compile:     # as ModelRunner does: attention stays eager
+                import torch
+                backend.forward = torch.compiler.disable(backend.forward)
+            sched.runner.backend = backend
         for b in batches:
-            sched.flush_cache()
-            r = profile(sched, b, args.prompt_len, args.steps, seed=b)
-            results[f"{name}/{b}"] = r
-            print(f"{name:>7} {b:>5} | {r['step_ms']:>8.1f} {r['forward_ms']:>8.1f} {r['scheduler_ms']:>7.2f} "
-                  f"{r['build_ms']:>8.2f} | {100 * r['scheduler_ms'] / r['step_ms']:>6.1f}% | {r['step_cpu_ms']:>8.1f}",
-                  flush=True)
+            for quant, sched in scheds.items():   # interleaved: the machine's load drifts less between them
+                sched.flush_cache()
+                r = profile(sched, b, args.prompt_len, args.steps, seed=b)
+                results[f"{name}/{b}" if len(scheds) == 1 else f"{name}/{quant}/{b}"] = r
+                share = 100 * r["scheduler_ms"] / r["step_ms"]
+                print(f"{name:>7} {quant:>7} {b:>5} | {r['step_ms']:>8.1f} {r['forward_ms']:>8.1f} "
+                      f"{r['scheduler_ms']:>7.2f} {r['build_ms']:>8.2f} | {share:>6.1f}% | {r['step_cpu_ms']:>8.1f}",
+                      flush=True)
+        print(f"(load {os.getloadavg()[0]:.2f})")
     return results
 
 

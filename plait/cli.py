@@ -39,16 +39,24 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--schedule-policy", default=None, choices=["lpm", "fcfs"])
     p.add_argument("--disable-radix-cache", action="store_true")
-    p.add_argument("--quantization", default=None, choices=["int8", "fp8"],
-                   help="int8: per-channel int8 weights (CPU: fbgemm int8 GEMM); fp8: CUDA sm90+ only")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8"],
+                   help="int8: per-channel int8 weights; int4: 4-bit weights in groups of 32 (GGUF Q4_1's "
+                        "scheme, exact for Q4_1 models; LM head int8); fp8: CUDA sm90+ only")
     p.add_argument("--grammar-backend", default=None, choices=["auto", "xgrammar", "llguidance", "outlines"],
                    help="constrained decoding backend (default auto: llguidance for JSON schemas, xgrammar "
                         "for the rest, each falling back to the other)")
     p.add_argument("--grammar-compile-timeout", type=float, default=None, help="seconds per grammar compile")
     p.add_argument("--disable-jump-forward", action="store_true",
                    help="sample grammar-forced text token by token instead of appending it")
-    p.add_argument("--speculative-algorithm", default=None, choices=["ngram"],
-                   help="ngram: prompt-lookup speculative decoding (drafts copied from prompt + output)")
+    p.add_argument("--speculative-algorithm", default=None, choices=["ngram", "draft"],
+                   help="ngram: prompt-lookup speculative decoding (drafts copied from prompt + output); "
+                        "draft: a smaller draft model with the same tokenizer proposes (--speculative-draft-model)")
+    p.add_argument("--speculative-draft-model", default=None,
+                   help="the draft model for --speculative-algorithm draft (any form --model accepts)")
+    p.add_argument("--speculative-draft-quantization", default=None,
+                   help="quantize the draft model's weights (the methods of --quantization)")
+    p.add_argument("--speculative-draft-max-tokens", type=int, default=None,
+                   help="the draft model's KV pool in tokens (default 4096)")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="draft tokens per step")
     p.add_argument("--speculative-ngram-min-match", type=int, default=None, help="shortest n-gram looked up")
     p.add_argument("--speculative-ngram-max-match", type=int, default=None, help="longest n-gram looked up")
@@ -57,6 +65,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--enable-torch-compile", action="store_true",
                    help="torch.compile the model step (attention stays eager); off by default")
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="CUDA: decode eagerly instead of replaying captured CUDA graphs")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                   help="largest decode batch replayed from a CUDA graph (default min(max running requests, 64))")
     p.add_argument("--random-seed", type=int, default=None)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--dp-size", type=int, default=1,
@@ -75,7 +87,8 @@ _ENGINE_OPTIONS = ("model", "dtype", "device", "context_length", "max_total_toke
                    "num_threads", "random_seed", "log_level", "grammar_backend", "grammar_compile_timeout",
                    "disable_jump_forward", "speculative_algorithm", "speculative_num_draft_tokens",
                    "speculative_ngram_min_match", "speculative_ngram_max_match", "speculative_max_batch",
-                   "quantization", "enable_torch_compile",
+                   "speculative_draft_model", "speculative_draft_quantization", "speculative_draft_max_tokens",
+                   "quantization", "enable_torch_compile", "disable_cuda_graph", "cuda_graph_max_bs",
                    "tp_size", "nnodes", "node_rank", "dist_init_addr")
 
 

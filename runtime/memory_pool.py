@@ -1,11 +1,14 @@
 """KV memory: the per-layer K/V pool, the slot allocator and the request-to-token table.
 
-A slot holds one token's K and V for every layer. Slot 0 is never handed out: padded
-attention reads point at it, so stale or padding indices always address valid memory.
+A slot holds one token's K and V for every layer. Slot 0 (`PAD_SLOT`) is never handed out:
+padded attention reads point at it, so stale or padding indices always address valid memory, and
+the padded rows of a CUDA-graph decode step write their (finite, unused) K/V there.
 """
 from __future__ import annotations
 
 import torch
+
+PAD_SLOT = 0
 
 
 class TokenSlotAllocator:
@@ -19,7 +22,7 @@ class TokenSlotAllocator:
 
     def clear(self) -> None:
         # Slot 0 is the padding slot; usable slots are 1..num_slots.
-        self._free = torch.arange(1, self.num_slots + 1, dtype=torch.int64)
+        self._free = torch.arange(PAD_SLOT + 1, self.num_slots + 1, dtype=torch.int64)
 
     def available(self) -> int:
         return int(self._free.numel())

@@ -9,6 +9,7 @@ import torch
 from tqdm import tqdm
 
 from .attention import make_attention_backend
+from .cuda_graph import make_decode_graph_runner
 from .forward_batch import ForwardBatch
 from .memory_pool import KVPool
 from .model_loader import load_config, load_tokenizer, load_weights, resolve_model
@@ -104,6 +105,8 @@ class ModelRunner:
             self.backend.forward = torch.compiler.disable(self.backend.forward)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * self.num_layers)
             self.model.forward = torch.compile(self.model.forward, dynamic=True)
+        # Pure-decode steps replayed from CUDA graphs (on by default on CUDA; see cuda_graph.py).
+        self.graphs = make_decode_graph_runner(self)
         self.vocab_size = self.config.vocab_size
         logger.info("model %s loaded: %s, %d KV slots (%.1f MiB)", args.model, self.dtype, num_slots,
                     num_slots * per_slot / 2**20)
@@ -112,6 +115,10 @@ class ModelRunner:
         """Run one step; float32 logits `[len(batch.logits_index), vocab]`."""
         if self.channel is not None:
             self.channel.send(batch)
+        if self.graphs is not None:
+            logits = self.graphs.forward(batch)
+            if logits is not None:
+                return logits
         return self.model(batch, self.backend)
 
     # --- tensor parallelism (no-ops at tp_size 1) -----------------------------------------------

@@ -19,6 +19,33 @@ replaced by a module holding quantized weights.
   faster still and worse: perplexity 39.6.)
 - `dequant`: dequantize then `F.linear`; the CUDA int8 path and the reference.
 
+`int4`: GGUF Q4_1's scheme, asymmetric 4-bit codes in groups of 32 along K (`quantize_int4`).
+Each group's minimum gets code 0 and its maximum code 15, so for a model loaded from a Q4_1 GGUF
+(the default SmolLM2: every attention and MLP matrix) re-quantizing the dequantized float32
+weights gives back the file's codes, d and m exactly: int4 *is* the file's model (up to bfloat16
+scales and activations), while int8 re-rounds it. On SmolLM2, KL(float32 || quantized) over the
+logits of benchmarks/quality.py's text: int4 0.0017, int8 0.0050; perplexity 24.080 (float32),
+24.060 (int4), 24.086 (int8). Kernels:
+
+- CPU, `int4pack` (default): torch's `_weight_int4pack_mm_for_cpu` with bfloat16 activations
+  (float32 ones are ~20x slower) for a single row; from 2 rows a prepacked bfloat16 copy of the
+  dequantized weight, as int8 does (per 120 SmolLM2 matrices, 2 cores, load ~1.5: M=1 int4 7.4 ms,
+  bf16 copy 8.6, int8pack 7.0, float32 prepacked 18.2; M=2 8.7 vs 8.6; M=8 21.8 vs 14.0). The
+  kernel needs N % 16 == 0 (else the bf16 copy serves every row); a layer whose K is not a
+  multiple of 32 is int8 instead. So int4 on the CPU holds 2.5 bytes a weight, 0.5 of it read at
+  batch 1. Whole decode steps of SmolLM2 (`plait bench step_profile --dtype float32 --quantization
+  none int8 int4`, 2 cores shared with other work, load 3-4, so wall times scatter; process CPU
+  ms in brackets): batch 1, 64 steps, two runs: int4 45 / 29 ms (31 / 28), int8 80 / 71 (53 / 48),
+  float32 166 / 136 (95 / 81). Batch 32 (the bf16 copy in both): int4 ~ int8 (CPU 205-211 vs 207-278),
+  float32 CPU 258-333.
+- `dequant`: dequantize then `F.linear`; other devices and torch builds without the kernel.
+
+The LM head stays int8 with `int4`: it is the matrix whose error lands on the logits directly,
+and the GGUF stores it (the tied token embedding) as Q8_0, not 4-bit; llama.cpp's 4-bit mixes keep
+it at 6-8 bits as well. Measured on SmolLM2: an int4 head raises KL to 0.059 and drops top-1
+agreement with float32 from 97% to 81%, for 3.7 ms less per batch-1 step (the head alone: int8
+5.6, int4 1.9 ms, load 4).
+
 `fp8` (CUDA only, compute capability >= 9.0): float8 e4m3 weights with per-row scales and
 per-token activation scales through `torch._scaled_mm`; other GPUs fall back to int8 dequant.
 """
@@ -33,10 +60,14 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("int8", "fp8")
+QUANTIZATIONS = ("int8", "int4", "fp8")
 INT8_KERNELS = ("int8pack", "w8a8", "dequant")
+INT4_KERNELS = ("int4pack", "dequant")
+INT4_GROUP_SIZE = 32     # GGUF Q4_1's block
 _FP8_MAX = 448.0   # largest finite float8_e4m3fn
 _INT8PACK_MAX_ROWS = 4   # CPU: from this many rows, the bf16 copy of the dequantized weight is faster
+_INT4PACK_MAX_ROWS = 2   # CPU: the int4 kernel only for single rows; from 2, the bf16 copy is as fast or faster
+_INT4PACK_GROUP_SIZES = (32, 64, 128, 256)   # what torch's CPU int4 kernel accepts
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,6 +148,119 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
 
 
+def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF Q4_1's asymmetric 4-bit quantization, per group of `group_size` along K:
+    `W ~= scale * q + minimum` with `q` in 0..15, `minimum` the group's minimum and `scale` its
+    range / 15. Returns (q uint8 `[N, K]`, scale float32 `[N, K/G]`, minimum float32 `[N, K/G]`).
+
+    Each group's minimum gets code 0 and its maximum code 15, so re-quantizing weights that were
+    dequantized from Q4_1 gives back the file's codes exactly (and its d, m up to float rounding)."""
+    w = weight.detach().float()
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"int4: in_features ({k}) must be a multiple of the group size ({group_size})")
+    groups = w.reshape(n, k // group_size, group_size)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = (hi - lo) / 15
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))   # a constant group: all codes 0
+    # ggml rounds with trunc(x + 0.5); the argument is never negative, so that is floor.
+    q = torch.floor((groups - lo[..., None]) * inv[..., None] + 0.5).clamp_(0, 15).to(torch.uint8)
+    return q.reshape(n, k), scale, lo
+
+
+def int4pack_available() -> bool:
+    """True when this torch build has the CPU int4 weight-only matmul and its packing op."""
+    return (hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+            and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"))
+
+
+def default_int4_kernel(device: torch.device) -> str:
+    """`int4pack` on a CPU whose torch has the int4 kernel, else `dequant`."""
+    return "int4pack" if device.type == "cpu" and int4pack_available() else "dequant"
+
+
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """uint8 codes `[N, K]` (K even) -> `[N, K/2]`, even k in the low nibble."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
+class Int4Linear(nn.Module):
+    """`y = x @ W.T + b` with W in group-wise asymmetric 4-bit (GGUF Q4_1's scheme, `quantize_int4`).
+
+    The weight is held as 4-bit codes plus one (scale, zero) pair per group in bfloat16, the form of
+    torch's CPU int4 kernel: `W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]` with
+    `zero = minimum + 8 * scale` (bfloat16 scales: at most ~1.6% of a quantization step away from
+    Q4_1's fp16 d and m). Kernels: `int4pack` (CPU) runs `_weight_int4pack_mm_for_cpu` with
+    bfloat16 activations for a single row, and a prepacked bfloat16 copy of W from 2 rows on (that
+    kernel does not reuse a weight across rows); it needs N % 16 == 0, else the copy serves every
+    row. `dequant` computes `F.linear` with W dequantized in the input's dtype (other devices, the
+    reference)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int = INT4_GROUP_SIZE,
+                 kernel: str | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.group_size = group_size
+        self.kernel = kernel or default_int4_kernel(weight.device)
+        if self.kernel not in INT4_KERNELS:
+            raise ValueError(f"int4 kernel must be one of {', '.join(INT4_KERNELS)}, got {self.kernel!r}")
+        if self.kernel == "int4pack" and not int4pack_available():
+            raise ValueError("the int4pack kernel needs torch's _weight_int4pack_mm_for_cpu")
+        q, scale, minimum = quantize_int4(weight, group_size)
+        scales_and_zeros = torch.stack([scale, minimum + 8 * scale], dim=-1).transpose(0, 1)   # [K/G, N, 2]
+        self.register_buffer("qweight", _pack_nibbles(q))
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        use_int4mm = (self.kernel == "int4pack" and weight.device.type == "cpu"
+                      and self.out_features % 16 == 0 and group_size in _INT4PACK_GROUP_SIZES)
+        self.register_buffer("packed_int4", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            q.to(torch.int32).contiguous(), 1) if use_int4mm else None, persistent=False)
+        self.packed_bf16 = self._pack_bf16() if self.kernel == "int4pack" else None
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the codes stand for, `[N, K]` (what the int4 kernel computes with)."""
+        n, k, g = self.out_features, self.in_features, self.group_size
+        sz = self.scales_and_zeros.float().transpose(0, 1)                               # [N, K/G, 2]
+        q = _unpack_nibbles(self.qweight).reshape(n, k // g, g).float() - 8
+        return (q * sz[..., :1] + sz[..., 1:]).reshape(n, k).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.packed_int4 is not None and x2.shape[0] < _INT4PACK_MAX_ROWS:
+            # bfloat16 activations: with float32 ones the kernel is ~20x slower.
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2.to(torch.bfloat16).contiguous(), self.packed_int4, self.group_size, self.scales_and_zeros)
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)
+        elif self.packed_bf16 is not None:
+            y = self.packed_bf16(x2.to(torch.bfloat16))
+        elif self.kernel == "int4pack":   # no oneDNN: dequantize per call (amortized over the rows)
+            bias = None if self.bias is None else self.bias.to(torch.bfloat16)
+            y = F.linear(x2.to(torch.bfloat16), self.dequantized(torch.bfloat16), bias)
+        else:
+            y = F.linear(x2, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def _pack_bf16(self) -> nn.Module | None:
+        """The dequantized weight in bfloat16, prepacked for oneDNN (None where that is unavailable)."""
+        from .prepack import PackedLinear, prepack_available
+        if not prepack_available() or self.qweight.device.type != "cpu":
+            return None
+        bias = None if self.bias is None else self.bias.to(torch.bfloat16)
+        return PackedLinear(self.dequantized(torch.bfloat16), bias)
+
+    def extra_repr(self) -> str:
+        copy_only = self.kernel == "int4pack" and self.packed_int4 is None
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
+                f"kernel={self.kernel}{' (bf16 copy only)' if copy_only else ''}")
+
+
 def fp8_supported(device: torch.device) -> bool:
     """Row-wise scaled float8 matmuls: CUDA with compute capability >= 9.0 (Hopper) and a torch
     that has `_scaled_mm` and float8_e4m3fn."""
@@ -158,10 +302,13 @@ def _fp8_shape_ok(weight: torch.Tensor) -> bool:
 
 def make_quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, method: str,
                           kernel: str | None = None) -> nn.Module:
-    """One quantized replacement for `F.linear(., weight, bias)`."""
+    """One quantized replacement for `F.linear(., weight, bias)`. `kernel` is the int8 kernel (of
+    int8 layers, and of int4 layers' int8 fallback)."""
     if method == "fp8" and fp8_supported(weight.device) and _fp8_shape_ok(weight):
         return Fp8Linear(weight, bias)
-    return Int8Linear(weight, bias, kernel)
+    if method == "int4" and weight.shape[1] % INT4_GROUP_SIZE == 0:
+        return Int4Linear(weight, bias)
+    return Int8Linear(weight, bias, kernel)   # (int4 with K not a multiple of the group: int8)
 
 
 def _is_plain_linear(mod: nn.Module) -> bool:
@@ -172,7 +319,9 @@ def _is_plain_linear(mod: nn.Module) -> bool:
 def quantize_model(model: nn.Module, method: str, kernel: str | None = None) -> int:
     """Replace every plain `nn.Linear` of `model` by its quantized version, and quantize the LM
     head of models that expose one (a module with `local_weight()` and a `packed` slot that its
-    forward uses, as `parallel.ParallelLMHead`). Returns the number of layers quantized."""
+    forward uses, as `parallel.ParallelLMHead`). Returns the number of layers quantized.
+
+    With `int4` the LM head is int8: see the module docstring."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
     device = next(model.parameters()).device
@@ -184,8 +333,9 @@ def quantize_model(model: nn.Module, method: str, kernel: str | None = None) -> 
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, make_quantized_linear(mod.weight, mod.bias, method, kernel))
+    head_method = "int8" if method == "int4" else method
     for head in heads:
-        head.packed = make_quantized_linear(head.local_weight(), None, method, kernel)
+        head.packed = make_quantized_linear(head.local_weight(), None, head_method, kernel)
     count = len(targets) + len(heads)
     logger.info("quantized %d linear layers to %s", count, method)
     return count

@@ -75,7 +75,7 @@ class Req:
         self.arrival = arrival
         self.matcher = None                    # grammar matcher, when the request has a grammar
         self.num_draft = 0                     # trailing output_ids proposed as drafts, not yet verified
-        self.draft_source = ""                 # who proposed them: "grammar" (jump-forward) or "ngram"
+        self.draft_source = ""                 # who proposed them: "grammar" (jump-forward), "ngram" or "draft"
         self.ngram = None                      # speculative.NgramIndex over fill_ids, made on first use
 
     @property

@@ -15,6 +15,7 @@ from concurrent.futures import wait as wait_futures
 
 import torch
 
+from .draft_model import DraftModel
 from .forward_batch import DRAFT_MAX_TOKENS, ForwardBatch
 from .memory_pool import ReqToTokenTable, TokenSlotAllocator
 from .model_runner import ModelRunner
@@ -43,7 +44,7 @@ JUMP_FORWARD_MAX_BATCH = 8
 class Scheduler:
     """Owns the requests, the KV memory and the cache; runs one batch per `step()`."""
 
-    def __init__(self, args: ServerArgs, runner: ModelRunner | None = None):
+    def __init__(self, args: ServerArgs, runner: ModelRunner | None = None, draft: DraftModel | None = None):
         self.args = args
         self.runner = runner or ModelRunner(args)
         self.tokenizer = self.runner.tokenizer
@@ -69,10 +70,15 @@ class Scheduler:
         self.num_retractions = 0
         self.num_steps = 0
         self.num_jump_forward_tokens = 0
-        self.num_spec_proposed_tokens = 0     # n-gram draft tokens proposed ...
+        self.num_spec_proposed_tokens = 0     # speculative (n-gram / draft-model) tokens proposed ...
         self.num_spec_accepted_tokens = 0     # ... and kept after verification
         self.jump_forward = not args.disable_jump_forward
-        self.speculative = args.speculative_algorithm == "ngram"
+        self.speculative = args.speculative_algorithm is not None
+        if args.speculative_algorithm == "draft":
+            self.draft = draft or DraftModel(args, self.runner)
+        else:
+            self.draft = None
+        self._draft_queue: list[tuple[Req, int]] = []   # (request, k) drafting at the end of this step
         self._active = 0                      # requests sampling in the current step
 
     # --- requests in and out ---------------------------------------------------------------
@@ -156,10 +162,14 @@ class Scheduler:
         return self.num_slots - self.allocator.available() - self.cache.total_size()
 
     def speculative_stats(self) -> dict:
-        """N-gram speculation counters since start, and the fraction of drafts kept."""
-        return {"num_spec_proposed_tokens": self.num_spec_proposed_tokens,
-                "num_spec_accepted_tokens": self.num_spec_accepted_tokens,
-                "spec_accept_rate": acceptance_rate(self.num_spec_proposed_tokens, self.num_spec_accepted_tokens)}
+        """Speculation counters since start, and the fraction of drafts kept; with a draft model
+        also the draft KV slots requests hold (0 when idle)."""
+        stats = {"num_spec_proposed_tokens": self.num_spec_proposed_tokens,
+                 "num_spec_accepted_tokens": self.num_spec_accepted_tokens,
+                 "spec_accept_rate": acceptance_rate(self.num_spec_proposed_tokens, self.num_spec_accepted_tokens)}
+        if self.draft is not None:
+            stats["draft_kv_slots_in_use"] = self.draft.slots_in_use()
+        return stats
 
     # --- one iteration ---------------------------------------------------------------------
     def step(self) -> list[TokenOutput]:
@@ -358,9 +368,12 @@ class Scheduler:
                 self._finish_step(req, out, outputs, still_running)
         if not to_sample:
             self.running = sorted(still_running, key=lambda r: r.arrival)
+            self._propose_from_draft_model()
             return outputs
-        rows = torch.tensor(sample_rows, dtype=torch.int64, device=logits.device)
-        row_logits = logits.index_select(0, rows)
+        if sample_rows == list(range(logits.shape[0])):
+            row_logits = logits        # a pure decode step: every row is sampled, in order (no 6 MB copy)
+        else:
+            row_logits = logits.index_select(0, torch.tensor(sample_rows, dtype=torch.int64, device=logits.device))
         lp_rows = [i for i, r in enumerate(to_sample) if r.return_logprob]
         # logprobs report the model's distribution, before grammar masks and penalties
         logprobs = torch.log_softmax(row_logits[lp_rows], dim=-1) if lp_rows else None
@@ -398,6 +411,7 @@ class Scheduler:
             out.finish_reason = reason
             self._finish_step(req, out, outputs, still_running)
         self.running = sorted(still_running, key=lambda r: r.arrival)
+        self._propose_from_draft_model()
         return outputs
 
     def _finish_step(self, req: Req, out: TokenOutput, outputs: list[TokenOutput], still_running: list[Req]) -> None:
@@ -422,8 +436,10 @@ class Scheduler:
 
     def _propose(self, req: Req) -> None:
         """Append draft tokens for the next step to verify: the grammar's forced text for greedy
-        constrained requests (jump-forward), else an n-gram lookup when speculation is on. Only at
-        small batches: there the extra positions are nearly free; at large ones they are not."""
+        constrained requests (jump-forward), else an n-gram lookup or the draft model when
+        speculation is on. Only at small batches: there the extra positions are nearly free; at
+        large ones they are not. Draft-model requests are queued and drafted together at the end
+        of the step (`_propose_from_draft_model`)."""
         if req.matcher is not None and self.jump_forward and not req.return_logprob and self._exact_jump(req):
             if self._active <= JUMP_FORWARD_MAX_BATCH:
                 self._propose_forced(req)
@@ -431,7 +447,10 @@ class Scheduler:
                 req.draft_source = "grammar"
                 return
         if self.speculative and self._active <= self.args.speculative_max_batch:
-            self._propose_ngram(req)
+            if self.draft is None:
+                self._propose_ngram(req)
+            elif (k := self._draft_budget(req)) > 0:
+                self._draft_queue.append((req, k))
 
     def _propose_forced(self, req: Req) -> None:
         """Append the grammar's forced text as draft tokens (the matcher accepts them now)."""
@@ -444,12 +463,16 @@ class Scheduler:
         limit = min(budget, DRAFT_MAX_TOKENS - 1)
         self._append_drafts(req, self.tokenizer.encode(forced, add_special_tokens=False)[:limit])
 
+    def _draft_budget(self, req: Req) -> int:
+        """How many speculative tokens the request may take now (<= 0: none)."""
+        return min(self.args.speculative_num_draft_tokens,
+                   req.params.max_new_tokens - len(req.output_ids) - 1,      # room for the model's own token
+                   self.context_len - len(req.origin_ids) - len(req.output_ids) - 1)
+
     def _propose_ngram(self, req: Req) -> None:
         """Append the tokens that followed the latest earlier occurrence of the request's tail."""
         a = self.args
-        k = min(a.speculative_num_draft_tokens,
-                req.params.max_new_tokens - len(req.output_ids) - 1,      # room for the model's own token
-                self.context_len - len(req.origin_ids) - len(req.output_ids) - 1)
+        k = self._draft_budget(req)
         if k <= 0:
             return
         if req.ngram is None:
@@ -457,6 +480,17 @@ class Scheduler:
         self._append_drafts(req, req.ngram.propose(req.fill_ids, k), self._direct_jump(req))
         if req.num_draft:
             req.draft_source = "ngram"
+
+    def _propose_from_draft_model(self) -> None:
+        """Draft for every request queued this step in one batched call of the draft model."""
+        if not self._draft_queue:
+            return
+        queue, self._draft_queue = self._draft_queue, []
+        proposals = self.draft.propose([(req.rid, req.fill_ids, k) for req, k in queue])
+        for (req, _), tokens in zip(queue, proposals):
+            self._append_drafts(req, tokens, self._direct_jump(req))
+            if req.num_draft:
+                req.draft_source = "draft"
 
     @staticmethod
     def _append_drafts(req: Req, tokens: list[int], stop_before_forced: bool = False) -> None:
@@ -565,7 +599,7 @@ class Scheduler:
             reason = self._check_finish(req, req.output_ids[-1])   # as after a sampled token
         new = req.output_ids[start:]
         self.num_generated_tokens += len(new)
-        if req.draft_source == "ngram":
+        if req.draft_source in ("ngram", "draft"):
             self.num_spec_proposed_tokens += k
             self.num_spec_accepted_tokens += kept
         else:
@@ -724,7 +758,10 @@ class Scheduler:
         req.last_node, req.cached_len = node, len(new_slots)
 
     def _release(self, req: Req) -> None:
-        """Give the request's KV to the cache (or back to the allocator) and free its row."""
+        """Give the request's KV to the cache (or back to the allocator) and free its row (and its
+        draft model cache: finished, aborted and retracted requests keep none)."""
+        if self.draft is not None:
+            self.draft.release(req.rid)
         if req.row is None:
             return
         slots = self.table.table[req.row, :req.kv_len].clone()

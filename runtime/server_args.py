@@ -19,14 +19,20 @@ class ServerArgs:
     disable_radix_cache: bool = False
     disable_weight_prepack: bool = False     # CPU: keep plain F.linear instead of oneDNN-prepacked weights
     enable_torch_compile: bool = False       # torch.compile the model step (the attention backend stays eager)
-    quantization: str | None = None          # None | int8 (per-channel int8 weights) | fp8 (CUDA sm90+; else int8)
+    disable_cuda_graph: bool = False         # CUDA: decode eagerly instead of replaying captured CUDA graphs
+    cuda_graph_max_bs: int | None = None     # largest decode batch replayed from a graph; default min(max_running_requests, 64)
+    cuda_graph_eager: bool = False           # tests / debugging: the graph runner's padded static decode without capture (also on the CPU)
+    quantization: str | None = None          # None | int8 (per-channel int8 weights) | int4 (group-32 Q4_1-style) | fp8 (CUDA sm90+; else int8)
     num_threads: int | None = None           # torch intra-op threads; default: all cores
     random_seed: int | None = None
     revision: str | None = None
     grammar_backend: str = "auto"            # auto (llguidance for JSON schemas, else xgrammar; fallback) | xgrammar | llguidance | outlines
     grammar_compile_timeout: float = 30.0    # seconds; a slower compile fails that request
     disable_jump_forward: bool = False       # jump-forward: append grammar-forced text without sampling
-    speculative_algorithm: str | None = None # None | ngram (prompt lookup: drafts copied from prompt + output)
+    speculative_algorithm: str | None = None # None | ngram (prompt lookup: drafts copied from prompt + output) | draft (a draft model)
+    speculative_draft_model: str | None = None  # draft: the draft model (any form `model` accepts); same tokenizer
+    speculative_draft_quantization: str | None = None  # draft: quantize the draft model's weights (as `quantization`)
+    speculative_draft_max_tokens: int = 4096   # draft: the draft model's KV pool, in tokens
     speculative_num_draft_tokens: int = 8    # draft tokens proposed per step and request
     speculative_ngram_min_match: int = 1     # shortest suffix n-gram looked up
     speculative_ngram_max_match: int = 4     # longest suffix n-gram looked up (tried first)
@@ -49,15 +55,27 @@ class ServerArgs:
         if self.grammar_backend not in ("auto", "xgrammar", "outlines", "llguidance"):
             raise ValueError(f"grammar_backend must be auto, xgrammar, outlines or llguidance, "
                              f"got {self.grammar_backend!r}")
-        if self.speculative_algorithm not in (None, "ngram"):
-            raise ValueError(f"speculative_algorithm must be 'ngram' (or unset), got {self.speculative_algorithm!r}")
+        if self.speculative_algorithm not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative_algorithm must be 'ngram' or 'draft' (or unset), "
+                             f"got {self.speculative_algorithm!r}")
+        if self.speculative_algorithm == "draft" and not self.speculative_draft_model:
+            raise ValueError("speculative_algorithm 'draft' needs speculative_draft_model: a model name or folder "
+                             "that shares the target's tokenizer")
+        if self.speculative_draft_model and self.speculative_algorithm != "draft":
+            raise ValueError("speculative_draft_model is only used with speculative_algorithm 'draft'")
+        if self.speculative_algorithm == "draft" and self.tp_size > 1:
+            raise ValueError("speculative_algorithm 'draft' is not supported with tp_size > 1")
+        if self.speculative_draft_max_tokens < 2:
+            raise ValueError(f"speculative_draft_max_tokens must be >= 2, got {self.speculative_draft_max_tokens}")
         for name in ("speculative_num_draft_tokens", "speculative_ngram_min_match", "speculative_max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.speculative_ngram_max_match < self.speculative_ngram_min_match:
             raise ValueError("speculative_ngram_max_match must be >= speculative_ngram_min_match")
-        if self.quantization not in (None, "int8", "fp8"):
-            raise ValueError(f"quantization must be int8 or fp8 (or unset), got {self.quantization!r}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.quantization not in (None, "int8", "int4", "fp8"):
+            raise ValueError(f"quantization must be int8, int4 or fp8 (or unset), got {self.quantization!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError(f"max_total_tokens must be >= 2, got {self.max_total_tokens}")
         if not 0 < self.kv_memory_fraction <= 0.9:   # the KV pool must leave room for the rest: no OOM kill

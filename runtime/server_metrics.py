@@ -38,7 +38,7 @@ class ServerMetrics:
                                     "over all prompt tokens since start", registry=reg)
         self.kv_usage = Gauge(PREFIX + "kv_usage", "Fraction of KV slots not free (requests and prefix cache)",
                               registry=reg)
-        self.spec_accept_rate = Gauge(PREFIX + "spec_accept_rate", "Speculative (n-gram) draft tokens kept "
+        self.spec_accept_rate = Gauge(PREFIX + "spec_accept_rate", "Speculative (n-gram or draft-model) draft tokens kept "
                                       "over those proposed, since start", registry=reg)
         self.rank_alive = Gauge(PREFIX + "tp_rank_alive", "1 while the tensor-parallel rank's process runs",
                                 ["rank"], registry=reg)

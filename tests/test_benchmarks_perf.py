@@ -51,12 +51,20 @@ def test_compare_tiny(tiny_model_dirs, tmp_path, capsys):
     from plait.benchmarks.compare import main
     out, png = tmp_path / "c.json", tmp_path / "c.png"
     res = main(["--model", tiny_model_dirs["llama"], "--concurrency", "1", "2", "--output-len", "4",
-                "--hf-sequential", "1", "--threads", "1", "--skip-roofline", "--json", str(out), "--plot", str(png)])
+                "--hf-sequential", "1", "--threads", "1", "--skip-roofline", "--json", str(out), "--plot", str(png),
+                "--json-max-tokens", "12", "--num-programs", "4", "--num-shots", "1", "--program-max-tokens", "3",
+                "--program-concurrency", "2"])
     assert set(res["results"]) == {"plait", "hf_static", "hf_sequential"}
+    # JSON extraction: every plait output is constrained (a cut one may not parse), tok/s measured
+    assert set(res["json"]) == {"plait"} and set(res["json"]["plait"]) == {1, 2}
+    assert all(r["tok_s"] > 0 and r["requests"] == 8 for r in res["json"]["plait"].values())
+    # programs: four kinds, their calls recorded and replayed
+    prog = res["programs"]
+    assert prog["programs"] == 4 and prog["calls"] >= 4 + 4 + 1 and prog["replay_s"]["plait"] > 0
     assert all(set(row) == {1, 2} and min(row.values()) > 0 for row in res["results"].values())
     assert any(n.startswith("llama.cpp: no GGUF") for n in res["notes"])   # a HF folder has no GGUF
     printed = capsys.readouterr().out
-    assert "plait / hf_static" in printed
+    assert "plait / hf_static" in printed and "json extraction" in printed and "replay on plait" in printed
     assert set(json.loads(out.read_text())["results"]) == set(res["results"])
     try:
         import matplotlib  # noqa: F401
@@ -73,3 +81,14 @@ def test_llama_cpp_command_when_absent(monkeypatch):
     monkeypatch.setattr(compare.shutil, "which", lambda name: "/opt/llama-server")
     cmd = compare.llama_cpp_command("m.gguf", 1234, 2, 32, 512)
     assert cmd[0] == "/opt/llama-server" and cmd[cmd.index("-np") + 1] == "32" and cmd[cmd.index("-c") + 1] == "16384"
+
+
+def test_llama_cpp_replay_of_a_recorded_call():
+    """A recorded native call keeps its prompt, budget, stop strings and schema for llama.cpp."""
+    from plait.benchmarks.compare import _llama_call
+    schema = {"type": "object"}
+    prompt, n, extra = _llama_call({"text": "Q:", "sampling_params": {
+        "max_new_tokens": 7, "stop": "\n", "json_schema": json.dumps(schema), "temperature": 0}})
+    assert (prompt, n) == ("Q:", 7)
+    assert extra["stop"] == ["\n"] and extra["json_schema"] == schema and extra["cache_prompt"] is True
+    assert _llama_call({"text": "x", "sampling_params": {"max_new_tokens": 3}})[2].get("json_schema") is None

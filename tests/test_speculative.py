@@ -1,13 +1,16 @@
-"""N-gram (prompt-lookup) speculative decoding: the draft index, the acceptance rule, and the
-scheduler producing exactly what decoding without speculation produces — greedy and seeded
-sampling, with stops, grammars, logprobs and retraction — with no KV slot leaked."""
+"""Speculative decoding, n-gram (prompt-lookup) and draft-model: the draft index, the acceptance
+rule, and the scheduler producing exactly what decoding without speculation produces — greedy and
+seeded sampling, with stops, grammars, logprobs and retraction — with no KV slot leaked in the
+target's pool or the draft model's."""
 from __future__ import annotations
 
 import json
+import os
 
 import jsonschema
 import pytest
 import torch
+from plait.runtime.draft_model import DraftModel
 from plait.runtime.model_runner import ModelRunner
 from plait.runtime.request import GenerateInput
 from plait.runtime.sampler import Sampler, SamplingBatch
@@ -139,6 +142,14 @@ def idle_accounting_ok(s: Scheduler) -> None:
     assert s.kv_slots_in_use() == 0
     assert s.allocator.available() + s.cache.total_size() == s.num_slots
     assert s.cache.protected_size() == 0
+    if s.draft is not None:
+        assert_no_draft_leak(s.draft)
+
+
+def assert_no_draft_leak(draft: DraftModel) -> None:
+    """Every draft KV slot and table row is free once no request runs."""
+    assert draft.slots_in_use() == 0 and not draft.states
+    assert draft.table.available() == draft.table.max_requests
 
 
 def inputs(n: int, max_new: int = 48, seed0: int = 0, **params) -> list[GenerateInput]:
@@ -344,3 +355,262 @@ def test_greedy_grammar_drafts_only_at_small_batches(tiny_runner, monkeypatch):
     big = make(tiny_runner, False)
     assert run_all(big, reqs()) == ref
     assert big.num_jump_forward_tokens == 0
+
+
+# --- draft-model speculation, tiny models ------------------------------------------------------
+
+
+def draft_args(target: str, draft: str, **kw) -> ServerArgs:
+    return ServerArgs(**{"model": target, "dtype": "float32", "max_total_tokens": 4096,
+                         "speculative_algorithm": "draft", "speculative_draft_model": draft, **kw})
+
+
+@pytest.fixture(scope="module")
+def self_draft(tiny_runner, tiny_model_dirs):
+    """The target itself as its draft: every greedy draft is what the target samples."""
+    return DraftModel(draft_args(tiny_model_dirs["llama"], tiny_model_dirs["llama"]), tiny_runner)
+
+
+@pytest.fixture(scope="module")
+def other_draft(tiny_runner, tiny_model_dirs):
+    """A different random model with the same tokenizer: its drafts are mostly wrong."""
+    return DraftModel(draft_args(tiny_model_dirs["llama"], tiny_model_dirs["qwen2"]), tiny_runner)
+
+
+def make_draft(runner, draft: DraftModel, **kw) -> Scheduler:
+    return Scheduler(draft_args(runner.model_path, draft.runner.model_path, **kw), runner, draft)
+
+
+def both_draft(runner, draft: DraftModel, reqs_fn, **kw):
+    """Run without speculation and with the draft model."""
+    plain = run_all(make(runner, False, **kw), reqs_fn())
+    s = make_draft(runner, draft, **kw)
+    return plain, run_all(s, reqs_fn()), s
+
+
+def accept_rate(s: Scheduler) -> float:
+    return s.num_spec_accepted_tokens / s.num_spec_proposed_tokens
+
+
+@pytest.fixture
+def draft_calls(monkeypatch):
+    """Records each `propose` call of a DraftModel and the draft forwards it ran."""
+    calls: list[list] = []
+
+    def watch(draft: DraftModel) -> list[list]:
+        propose, forward = draft.propose, draft.runner.forward
+
+        def counting_propose(reqs):
+            calls.append([reqs, 0, None])
+            calls[-1][2] = propose(reqs)
+            return calls[-1][2]
+
+        def counting_forward(batch):
+            calls[-1][1] += 1
+            return forward(batch)
+        monkeypatch.setattr(draft, "propose", counting_propose)
+        monkeypatch.setattr(draft.runner, "forward", counting_forward)
+        return calls
+    return watch
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_draft_self_greedy_identical(tiny_runner, self_draft, draft_calls, n):
+    """The target as its own draft: same output, (nearly) every draft kept, far fewer steps; the
+    requests draft together, one draft forward per draft position."""
+    calls = draft_calls(self_draft)
+    plain, spec, s = both_draft(tiny_runner, self_draft, lambda: inputs(n))
+    assert spec == plain
+    assert s.num_spec_proposed_tokens > 0 and accept_rate(s) >= 0.98
+    assert s.num_steps < 48 / 4
+    assert s.num_generated_tokens == sum(len(v[0]) for v in spec.values())
+    assert max(len(reqs) for reqs, _, _ in calls) == n
+    assert all(forwards == max(map(len, drafts)) for _, forwards, drafts in calls)
+
+
+def test_draft_other_model_identical(tiny_runner, other_draft):
+    """A draft that is mostly wrong: rejected drafts are rolled back, the output is unchanged."""
+    plain, spec, s = both_draft(tiny_runner, other_draft, lambda: inputs(2))
+    assert spec == plain
+    assert s.num_spec_proposed_tokens > 0 and accept_rate(s) < 0.5
+
+
+@pytest.mark.parametrize("params", [
+    {"temperature": 0.3},
+    {"temperature": 0.3, "top_p": 0.9, "top_k": 20, "min_p": 0.01},
+    {"temperature": 0.3, "frequency_penalty": 0.5, "presence_penalty": 0.3, "repetition_penalty": 1.2},
+])
+def test_draft_seeded_sampling_identical(tiny_runner, self_draft, params):
+    """Greedy drafts against seeded sampling: some kept, some not, the same tokens as without.
+    (A low temperature: the tiny random model's distributions are so flat that at 1.0 a greedy
+    draft is almost never drawn.)"""
+    plain, spec, s = both_draft(tiny_runner, self_draft, lambda: inputs(3, 40, seed0=5, **params),
+                                speculative_num_draft_tokens=4)
+    assert spec == plain
+    assert 0 < s.num_spec_accepted_tokens < s.num_spec_proposed_tokens
+
+
+GRAMMARS = {
+    "json_schema": json.dumps({"type": "object", "properties": {"a": {"type": "string", "maxLength": 12},
+                                                                "b": {"enum": ["xx", "yyy"]}},
+                               "required": ["a", "b"]}),
+    "regex": r"(ab|cd|[a-z ]){4,30}\.",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(GRAMMARS))
+@pytest.mark.parametrize("temperature", [0, 0.3])
+def test_draft_grammar_identical(tiny_runner, self_draft, kind, temperature):
+    """Constrained requests: drafts are checked against the matcher (cut at the first it rejects,
+    rolled back when verification rejects them); the output is unchanged and valid."""
+    import re
+
+    def reqs():
+        return inputs(2, 40, seed0=3, temperature=temperature, ignore_eos=False, **{kind: GRAMMARS[kind]})
+    plain, spec, s = both_draft(tiny_runner, self_draft, reqs)
+    assert spec == plain
+    assert s.num_spec_proposed_tokens > 0
+    for ids, reason, _ in spec.values():
+        text = tiny_runner.tokenizer.decode(ids, skip_special_tokens=True)
+        if reason["type"] == "stop":
+            assert re.fullmatch(GRAMMARS[kind], text) if kind == "regex" else json.loads(text)
+
+
+def test_draft_cache_follows_committed_tokens(self_draft):
+    """After a rejection the draft cache is cut back to what was committed: the next drafts are
+    the ones a fresh cache gives, and the cache holds exactly its tokens' slots."""
+    d = self_draft
+    ids = inputs(1)[0].input_ids
+    first = d.propose([("x", ids, 6)])[0]
+    assert len(first) == 6 and d.states["x"].ids == ids + first[:-1]
+    # one draft kept, then another token, then more (as when jump-forward re-tokenizes): the
+    # cache must go back to the first difference, not just drop its tail
+    committed = ids + [first[0], (first[1] + 1) % 1000, first[2]]
+    again = d.propose([("x", committed, 6)])[0]
+    assert len(again) == 2                                  # the length adapts: kept + 1
+    assert d.states["x"].ids == committed + again[:-1]
+    assert d.slots_in_use() == len(d.states["x"].ids)
+    d.release("x")
+    assert d.propose([("y", committed, 2)])[0] == again
+    d.release("y")
+    assert_no_draft_leak(d)
+
+
+def test_draft_no_leak_after_finish_and_abort(tiny_runner, self_draft):
+    """Aborted requests (with drafts pending or not) and finished ones leave no slot or row held
+    in either pool; the others' draft caches stay whole."""
+    s = make_draft(tiny_runner, self_draft)
+    for inp in inputs(3, 60):
+        s.add_request(inp)
+    for _ in range(50):
+        s.step()
+        if len(self_draft.states) == 3:
+            break
+    assert len(self_draft.states) == 3 and any(r.num_draft for r in s.running)
+    held = sum(len(st.ids) for st in self_draft.states.values())
+    assert self_draft.slots_in_use() == held
+    assert s.abort_request("r1") is not None
+    assert set(self_draft.states) == {"r0", "r2"}
+    assert self_draft.slots_in_use() == sum(len(st.ids) for st in self_draft.states.values()) < held
+    s.step()
+    assert s.abort_request("r0") is not None
+    while s.has_work():
+        s.step()
+    idle_accounting_ok(s)
+    assert s.speculative_stats()["draft_kv_slots_in_use"] == 0
+
+
+def test_draft_memory_pressure_identical(tiny_runner, tiny_model_dirs):
+    """A target pool that forces retraction and a draft pool too small for every request: drafting
+    is skipped or idle caches evicted, the output is unchanged, nothing leaks."""
+    plain = run_all(make(tiny_runner, False), inputs(4, 60))
+    small = ModelRunner(ServerArgs(model=tiny_model_dirs["llama"], dtype="float32", max_total_tokens=200))
+    draft = DraftModel(draft_args(tiny_model_dirs["llama"], tiny_model_dirs["llama"], speculative_draft_max_tokens=120),
+                       small)
+    s = make_draft(small, draft, max_total_tokens=200, speculative_draft_max_tokens=120)
+    assert run_all(s, inputs(4, 60)) == plain
+    assert s.num_retractions > 0 and s.num_spec_accepted_tokens > 0
+
+
+def test_draft_vocab_mismatch(tiny_runner, tiny_model_dirs, tmp_path):
+    """A draft model with another vocabulary size or other token ids is refused at startup."""
+    import shutil
+
+    from conftest import _tiny_config
+    from transformers import AutoModelForCausalLM
+    target = tiny_model_dirs["llama"]
+    bigger = tmp_path / "bigger-vocab"
+    AutoModelForCausalLM.from_config(_tiny_config("llama", 49152 + 64)).save_pretrained(bigger)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(target, name), bigger / name)
+    with pytest.raises(ValueError, match="vocabulary of 49216 tokens, the target model 49152"):
+        DraftModel(draft_args(target, str(bigger)), tiny_runner)
+    swapped = tmp_path / "swapped-tokens"
+    shutil.copytree(target, swapped)
+    tok = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = "hello", "world"
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (swapped / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="different tokenizer"):
+        DraftModel(draft_args(target, str(swapped)), tiny_runner)
+    with pytest.raises(ValueError, match="speculative_draft_quantization must be one of"):
+        DraftModel(draft_args(target, target, speculative_draft_quantization="int3"), tiny_runner)
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"speculative_algorithm": "draft"}, "needs speculative_draft_model"),
+    ({"speculative_draft_model": "smollm2"}, "only used with speculative_algorithm 'draft'"),
+    ({"speculative_algorithm": "draft", "speculative_draft_model": "smollm2", "tp_size": 2}, "tp_size"),
+    ({"speculative_algorithm": "draft", "speculative_draft_model": "smollm2", "speculative_draft_max_tokens": 1},
+     "speculative_draft_max_tokens"),
+])
+def test_draft_args_errors(kw, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(**kw)
+
+
+def test_engine_draft_model(tiny_model_dirs):
+    """The process path: a draft-model engine reports its acceptance and holds no draft slot idle."""
+    from conftest import assert_no_leak
+    from plait.runtime.server_metrics import ServerMetrics
+
+    import plait
+    path = tiny_model_dirs["llama"]
+    with plait.Engine(model=path, dtype="float32", max_total_tokens=2048, speculative_algorithm="draft",
+                      speculative_draft_model=path, speculative_draft_max_tokens=512) as eng:
+        outs = eng.generate(["one two three", "a b c d"], {"temperature": 0, "max_new_tokens": 24,
+                                                           "ignore_eos": True})
+        info = eng.get_server_info()
+        assert_no_leak(eng)
+    assert all(o["meta_info"]["completion_tokens"] == 24 for o in outs)
+    assert info["num_spec_proposed_tokens"] > 0 and info["spec_accept_rate"] > 0.9
+    assert info["draft_kv_slots_in_use"] == 0
+    assert f"plait_spec_accept_rate {info['spec_accept_rate']}" in ServerMetrics().render(info, 0).decode()
+
+
+def test_draft_length_adapts():
+    """Fully kept rounds double the draft length (to the maximum), a partial one sets it to what
+    was kept plus one, nothing kept pauses drafting 1, 2, 4 ... rounds until a draft is kept."""
+    from plait.runtime.draft_model import MAX_PAUSE, _DraftState
+    st = _DraftState(row=0, k=8)
+    base = [1, 2, 3]
+
+    def round_(drafts, committed):
+        st.drafts, st.base = drafts, len(base)
+        st.observe(base + committed, 8)
+    round_([4, 5, 6], [4, 5, 9])
+    assert (st.k, st.pause) == (3, 0)
+    round_([4, 5, 6], [4, 5, 6, 7])
+    assert (st.k, st.pause) == (6, 0)
+    round_([4] * 6, [4] * 7)
+    assert st.k == 8
+    pauses = []
+    for _ in range(7):
+        round_([4], [5])
+        pauses.append(st.pause)
+    assert st.k == 1 and pauses == [1, 2, 4, 8, 16, 16, 16] and MAX_PAUSE == 16
+    round_([4], [4, 5])
+    assert (st.k, st.misses) == (2, 0)
+    st.observe(base + [4, 5], 8)         # no new proposal since: nothing changes
+    assert st.k == 2

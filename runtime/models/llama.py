@@ -57,6 +57,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # the fused kernel: the same float32 math in one op instead of six
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
@@ -96,7 +99,11 @@ class Attention(nn.Module):
         v = v.view(-1, self.kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:   # q and k are adjacent in qkv: rotate both heads' sets in one pass
+            qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(-1, self.num_heads + self.kv_heads, self.head_dim),
+                            cos, sin)
+            q, k = qk.split([self.num_heads, self.kv_heads], dim=1)
         return self.o_proj(backend.forward(q, k, v.contiguous(), self.layer_id, batch, self.scale))
 
 
