@@ -200,19 +200,12 @@ def _llama_call(payload: dict) -> tuple[str, int, dict]:
 
 def run_programs(args, engine, llama) -> dict:
     """The program workload: plait's run_batch, then its recorded calls replayed on each engine."""
-    from plait.benchmarks.programs import _recording_backend, define_programs, few_shot, make_batch
-    workload, _ = define_programs(few_shot(args.num_shots))
+    from plait.benchmarks.programs import few_shot, make_batch, run_recorded
     batch = make_batch(args.num_programs, args.num_shots)
     engine.flush_cache()
-    be = _recording_backend(engine)
-    t = time.perf_counter()
-    states = workload.run_batch(batch, backend=be, temperature=0, max_new_tokens=args.program_max_tokens,
-                                num_threads=args.program_concurrency)
-    dt = time.perf_counter() - t
-    failed = [st.error() for st in states if st.error() is not None]
-    if failed:
-        raise RuntimeError(f"{len(failed)} of {len(states)} programs failed; the first: {failed[0]!r}")
-    calls = [c for c in be.calls if c.get("sampling_params", {}).get("max_new_tokens", 1) > 0]
+    dt, calls = run_recorded(engine, batch, few_shot(args.num_shots), args.program_max_tokens,
+                             args.program_concurrency)
+    calls = [c for c in calls if c.get("sampling_params", {}).get("max_new_tokens", 1) > 0]
     out = {"programs": len(batch), "calls": len(calls), "plait_run_batch_s": dt}
     engine.flush_cache()
     seconds, _ = in_flight(lambda c: engine.generate(c["text"], c["sampling_params"]), calls,

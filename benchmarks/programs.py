@@ -164,26 +164,32 @@ def _engine(args, **extra):
     return pl.Engine(model=args.model, random_seed=0, **kw, **extra)
 
 
+def run_recorded(engine, batch: list[dict], prefix: str, max_tokens: int, num_threads: int
+                 ) -> tuple[float, list[dict]]:
+    """The programs of `batch` (after `prefix`) through `run_batch` on `engine`, every request they
+    send recorded; (seconds, calls). Raises when a program failed: the figures would be meaningless."""
+    workload, _ = define_programs(prefix)
+    be = _recording_backend(engine)
+    t = time.perf_counter()
+    states = workload.run_batch(batch, backend=be, temperature=0, max_new_tokens=max_tokens, num_threads=num_threads)
+    dt = time.perf_counter() - t
+    failed = [st.error() for st in states if st.error() is not None]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(states)} programs failed; the first: {failed[0]!r}")
+    return dt, be.calls
+
+
 def run_plait(args, batch: list[dict]) -> tuple[dict, list[dict]]:
     """(a): run_batch on an engine with the radix cache; returns its row and the calls it sent."""
     prefix = few_shot(args.num_shots)
-    workload, _ = define_programs(prefix)
     with _engine(args) as eng:
         eng.generate("Warm-up.", {"max_new_tokens": 2})
         eng.flush_cache()
-        be = _recording_backend(eng)
         before = _counters(eng)
-        t = time.perf_counter()
-        states = workload.run_batch(batch, backend=be, temperature=0, max_new_tokens=args.max_tokens,
-                                    num_threads=args.num_threads)
-        dt = time.perf_counter() - t
-        failed = [st.error() for st in states if st.error() is not None]
-        if failed:      # the figures would be meaningless
-            raise RuntimeError(f"{len(failed)} of {len(states)} programs failed; the first: {failed[0]!r}")
-        row = _row("plait programs (run_batch, radix cache)", len(batch), len(be.calls), dt, before,
-                   _counters(eng))
+        dt, calls = run_recorded(eng, batch, prefix, args.max_tokens, args.num_threads)
+        row = _row("plait programs (run_batch, radix cache)", len(batch), len(calls), dt, before, _counters(eng))
         row["prefix_tokens"] = len(eng.tokenizer(prefix).input_ids)
-        return row, be.calls
+        return row, calls
 
 
 def run_sequential(args, calls: list[dict], n_programs: int) -> dict:

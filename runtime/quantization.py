@@ -89,7 +89,36 @@ def default_int8_kernel(device: torch.device) -> str:
     return "dequant"
 
 
-class Int8Linear(nn.Module):
+class _WeightOnlyLinear(nn.Module):
+    """What the CPU int8 and int4 layers share: many rows go through a bfloat16 copy of the
+    dequantized weight, prepacked for oneDNN (the weight-only kernels do not reuse a weight row
+    across input rows, so they fall behind once compute, not reading, is the cost)."""
+
+    qweight: torch.Tensor
+    bias: torch.Tensor | None
+    packed_bf16: nn.Module | None
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _pack_bf16(self) -> nn.Module | None:
+        """The dequantized weight in bfloat16, prepacked for oneDNN (None where that is unavailable)."""
+        from .prepack import PackedLinear, prepack_available
+        if not prepack_available() or self.qweight.device.type != "cpu":
+            return None
+        bias = None if self.bias is None else self.bias.to(torch.bfloat16)
+        return PackedLinear(self.dequantized(torch.bfloat16), bias)
+
+    def _bf16_rows(self, x2: torch.Tensor) -> torch.Tensor:
+        """`x2 @ W.T + b` in bfloat16: the prepacked copy, or (no oneDNN) the weight dequantized
+        per call, amortized over the rows."""
+        if self.packed_bf16 is not None:
+            return self.packed_bf16(x2.to(torch.bfloat16))
+        bias = None if self.bias is None else self.bias.to(torch.bfloat16)
+        return F.linear(x2.to(torch.bfloat16), self.dequantized(torch.bfloat16), bias)
+
+
+class Int8Linear(_WeightOnlyLinear):
     """`y = x @ (q * scale).T + b` with int8 `q`; see the module docstring for the kernels."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str | None = None):
@@ -117,24 +146,13 @@ class Int8Linear(nn.Module):
             y = torch._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.qweight, self.scale_bf16)
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)
-        elif self.kernel == "int8pack" and self.packed_bf16 is not None:
-            y = self.packed_bf16(x2.to(torch.bfloat16))
-        elif self.kernel == "int8pack":   # no oneDNN: dequantize per call (amortized over the rows)
-            bias = None if self.bias is None else self.bias.to(torch.bfloat16)
-            y = F.linear(x2.to(torch.bfloat16), self.dequantized(torch.bfloat16), bias)
+        elif self.kernel == "int8pack":
+            y = self._bf16_rows(x2)
         elif self.kernel == "w8a8":
             y = self._w8a8(x2)
         else:
             y = F.linear(x2, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
-
-    def _pack_bf16(self) -> nn.Module | None:
-        """The dequantized weight in bfloat16, prepacked for oneDNN (None where that is unavailable)."""
-        from .prepack import PackedLinear, prepack_available
-        if not prepack_available() or self.qweight.device.type != "cpu":
-            return None
-        bias = None if self.bias is None else self.bias.to(torch.bfloat16)
-        return PackedLinear(self.dequantized(torch.bfloat16), bias)
 
     def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
         """int8 x int8 -> int32 GEMM with activations quantized per row (token), symmetric."""
@@ -189,7 +207,7 @@ def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_WeightOnlyLinear):
     """`y = x @ W.T + b` with W in group-wise asymmetric 4-bit (GGUF Q4_1's scheme, `quantize_int4`).
 
     The weight is held as 4-bit codes plus one (scale, zero) pair per group in bfloat16, the form of
@@ -238,22 +256,11 @@ class Int4Linear(nn.Module):
                 x2.to(torch.bfloat16).contiguous(), self.packed_int4, self.group_size, self.scales_and_zeros)
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)
-        elif self.packed_bf16 is not None:
-            y = self.packed_bf16(x2.to(torch.bfloat16))
-        elif self.kernel == "int4pack":   # no oneDNN: dequantize per call (amortized over the rows)
-            bias = None if self.bias is None else self.bias.to(torch.bfloat16)
-            y = F.linear(x2.to(torch.bfloat16), self.dequantized(torch.bfloat16), bias)
+        elif self.kernel == "int4pack":
+            y = self._bf16_rows(x2)
         else:
             y = F.linear(x2, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
-
-    def _pack_bf16(self) -> nn.Module | None:
-        """The dequantized weight in bfloat16, prepacked for oneDNN (None where that is unavailable)."""
-        from .prepack import PackedLinear, prepack_available
-        if not prepack_available() or self.qweight.device.type != "cpu":
-            return None
-        bias = None if self.bias is None else self.bias.to(torch.bfloat16)
-        return PackedLinear(self.dequantized(torch.bfloat16), bias)
 
     def extra_repr(self) -> str:
         copy_only = self.kernel == "int4pack" and self.packed_int4 is None
