@@ -126,7 +126,13 @@ class Engine:
         # so an unknown path or an unsupported architecture raises its ValueError directly.
         self.model_path: str = resolve_model(self.args.model, revision=self.args.revision)
         from .models import get_model_class   # imports torch: only when an engine is made
-        get_model_class(load_config(self.model_path))
+        config = load_config(self.model_path)
+        get_model_class(config)
+        if self.args.speculative_draft_model:   # the draft model too, before the target loads
+            from .draft_model import check_vocab_size
+            draft_config = load_config(resolve_model(self.args.speculative_draft_model))
+            get_model_class(draft_config)
+            check_vocab_size(self.args.speculative_draft_model, draft_config.vocab_size, config.vocab_size)
         _no_torch_threads_here()
         self._client = SchedulerClient(self.args, self.model_path)
         # Stops the process when the engine is collected or at exit; refers to the client only.

@@ -158,3 +158,25 @@ def test_smollm2_bfloat16_close_to_float32(smollm2_path, prompts):
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert agree >= 0.9
     assert torch.nn.functional.cosine_similarity(got, ref, dim=-1).min() > 0.99
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_single_row_gemv(rows, bias):
+    """With two threads a float32 single row takes the two-core batched GEMV (both halves of the
+    output, in order), more rows oneDNN's GEMM: both equal F.linear."""
+    from plait.runtime.prepack import PackedLinear, prepack_available
+    if not prepack_available():
+        pytest.skip("this torch has no oneDNN prepacked linear")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        w, x = torch.randn(96, 64), torch.randn(rows, 64)
+        b = torch.randn(96) if bias else None
+        lin = PackedLinear(w, b)
+        assert lin.halves is not None and lin.halves.shape == (2, 48, 64)
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lin(x[None]), torch.nn.functional.linear(x, w, b)[None], atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)

@@ -589,6 +589,14 @@ def test_engine_draft_model(tiny_model_dirs):
     assert f"plait_spec_accept_rate {info['spec_accept_rate']}" in ServerMetrics().render(info, 0).decode()
 
 
+def test_engine_checks_the_draft_model_first(tiny_model_dirs, tmp_path):
+    """An unknown draft model path is a ValueError from Engine() itself, before any process starts."""
+    import plait
+    with pytest.raises(ValueError, match="no-such-draft"):
+        plait.Engine(model=tiny_model_dirs["llama"], speculative_algorithm="draft",
+                     speculative_draft_model=str(tmp_path / "no-such-draft"))
+
+
 def test_draft_length_adapts():
     """Fully kept rounds double the draft length (to the maximum), a partial one sets it to what
     was kept plus one, nothing kept pauses drafting 1, 2, 4 ... rounds until a draft is kept."""
