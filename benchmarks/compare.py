@@ -331,7 +331,9 @@ def plot(out: dict, path: str) -> bool:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("output tokens / s")
-    ax.set_title(f"{out['config']['model']} ({out['config']['dtype']}, {out['config']['threads']} threads)")
+    c = out["config"]
+    weights = f"plait {c['quantization']} weights, " if c.get("quantization") else ""
+    ax.set_title(f"{c['model']} ({weights}{c['dtype']}, {c['threads']} threads)")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
