@@ -92,3 +92,71 @@ def test_llama_cpp_replay_of_a_recorded_call():
     assert (prompt, n) == ("Q:", 7)
     assert extra["stop"] == ["\n"] and extra["json_schema"] == schema and extra["cache_prompt"] is True
     assert _llama_call({"text": "x", "sampling_params": {"max_new_tokens": 3}})[2].get("json_schema") is None
+
+
+# A stand-in for llama.cpp's `llama-server`: its CLI, /v1/models and /v1/completions (usage counts
+# and text), logging every request body; JSON-schema requests get a record of the
+# jump_forward benchmark's schema.
+_FAKE_LLAMA_SERVER = r'''#!{python}
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+port = int(sys.argv[sys.argv.index("--port") + 1])
+log = open({log!r}, "a")
+RECORD = {{"full_name": "A B", "job_title": "dev", "employer_company_name": "C", "city_of_residence": "D",
+          "years_of_professional_experience": 3, "current_employment_status": "retired",
+          "primary_programming_language": "go", "is_open_to_new_opportunities": True}}
+
+class Handler(BaseHTTPRequestHandler):
+    def _send(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._send({{"data": []}})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        log.write(json.dumps(body) + "\n")
+        log.flush()
+        text = json.dumps(RECORD) if "json_schema" in body else "x" * body["max_tokens"]
+        self._send({{"choices": [{{"text": text}}], "usage": {{"completion_tokens": body["max_tokens"]}}}})
+
+    def log_message(self, *args):
+        pass
+
+ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+'''
+
+
+def test_compare_drives_llama_server(tiny_model_dirs, tmp_path, monkeypatch):
+    """With a `llama-server` on PATH, every workload runs on it too: chat at each concurrency, JSON
+    extraction with the schema sent and the outputs validated, the programs' recorded calls replayed
+    with their stop strings and the prompt cache on."""
+    import sys
+
+    from conftest import free_port
+    from plait.benchmarks import compare
+    log = tmp_path / "requests.jsonl"
+    server = tmp_path / "bin" / "llama-server"
+    server.parent.mkdir()
+    server.write_text(_FAKE_LLAMA_SERVER.format(python=sys.executable, log=str(log)))
+    server.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{server.parent}:{__import__('os').environ['PATH']}")
+    monkeypatch.setattr(compare, "gguf_for", lambda model: str(tmp_path / "model.gguf"))
+    res = compare.main(["--model", tiny_model_dirs["llama"], "--concurrency", "1", "2", "--output-len", "4",
+                        "--hf-sequential", "1", "--threads", "1", "--skip-roofline", "--llama-port", str(free_port()),
+                        "--json-max-tokens", "12", "--num-programs", "4", "--num-shots", "1",
+                        "--program-max-tokens", "3", "--program-concurrency", "2"])
+    assert any(n.startswith("llama.cpp: " + str(server)) for n in res["notes"])
+    assert set(res["results"]["llama.cpp"]) == {1, 2} and min(res["results"]["llama.cpp"].values()) > 0
+    assert all(r["valid"] == r["requests"] == 8 for r in res["json"]["llama.cpp"].values())
+    assert res["programs"]["replay_s"]["llama.cpp"] > 0
+    bodies = [json.loads(line) for line in log.read_text().splitlines()]
+    schema_bodies = [b for b in bodies if "json_schema" in b]
+    assert len(schema_bodies) == 16 + 1     # 8 per JSON level, and the programs' json_extraction call
+    replayed = [b for b in bodies if b.get("cache_prompt")]
+    assert len(replayed) == res["programs"]["calls"] and any(b.get("stop") == ["\n"] for b in replayed)
