@@ -105,6 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _listen(host: str, port: int):
+    """(the bound listening socket, None), or (None, exit code) after saying why it cannot be had."""
+    from plait.runtime.http_server import bind_socket   # imports the server stack: only when serving
+    try:
+        return bind_socket(host, port), None
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            return None, _fail(f"port {port} on {host} is already in use (choose another with --port)")
+        return None, _fail(f"cannot listen on {host}:{port}: {e.strerror or e}")
+
+
 def _fail(message: str, code: int = 1) -> int:
     print(f"plait: error: {message}", file=sys.stderr)
     return code
@@ -112,7 +123,7 @@ def _fail(message: str, code: int = 1) -> int:
 
 def serve(ns: argparse.Namespace) -> int:
     """`plait serve`: validate, bind the port (fail fast), load the model, serve until signalled."""
-    from plait.runtime.http_server import bind_socket, run_server
+    from plait.runtime.http_server import run_server
     from plait.runtime.server_args import ServerArgs
     if not 0 < ns.port < 65536:
         return _fail(f"--port must be in 1..65535, got {ns.port}", 2)
@@ -130,12 +141,9 @@ def serve(ns: argparse.Namespace) -> int:
     if args.node_rank > 0:   # a worker node: no HTTP; its tensor-parallel ranks follow node 0's
         from plait.runtime.engine import run_worker_node
         return run_worker_node(args)
-    try:
-        sock = bind_socket(ns.host, ns.port)
-    except OSError as e:
-        if e.errno == errno.EADDRINUSE:
-            return _fail(f"port {ns.port} on {ns.host} is already in use (choose another with --port)")
-        return _fail(f"cannot listen on {ns.host}:{ns.port}: {e.strerror or e}")
+    sock, rc = _listen(ns.host, ns.port)
+    if sock is None:
+        return rc
     try:
         if ns.dp_size > 1:
             from plait.runtime.router import serve_data_parallel
@@ -184,7 +192,6 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
 
 def router(ns: argparse.Namespace) -> int:
     """`plait router`: route over running plait servers until signalled."""
-    from plait.runtime.http_server import bind_socket
     from plait.runtime.router import Router, run_router
     from plait.runtime.router_policy import make_policy
     if not 0 < ns.port < 65536:
@@ -197,12 +204,9 @@ def router(ns: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(str(e), 2)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        sock = bind_socket(ns.host, ns.port)
-    except OSError as e:
-        if e.errno == errno.EADDRINUSE:
-            return _fail(f"port {ns.port} on {ns.host} is already in use (choose another with --port)")
-        return _fail(f"cannot listen on {ns.host}:{ns.port}: {e.strerror or e}")
+    sock, rc = _listen(ns.host, ns.port)
+    if sock is None:
+        return rc
     try:
         run_router(rt, ns.host, ns.port, ns.api_key, sock=sock, log_level=ns.log_level)
     except KeyboardInterrupt:
