@@ -40,19 +40,11 @@ def _default_data() -> str:
 
 def _resolve(schema: Any, root: Any, depth: int = 0) -> Any:
     """Follow a local $ref ("#/a/b") a few levels."""
+    from plait.runtime.sampling_params import resolve_local_ref
     while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and depth < 20:
-        ref = schema["$ref"]
-        if not ref.startswith("#"):
+        node = resolve_local_ref(root, schema["$ref"])
+        if node is None:
             return schema
-        node = root
-        for part in [p for p in ref[1:].split("/") if p]:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                return schema
         schema, depth = node, depth + 1
     return schema
 

@@ -234,7 +234,7 @@ _ANNOTATIONS = frozenset({"$ref", "$defs", "definitions", "$schema", "$id", "$co
                           "default", "examples"})
 
 
-def _resolve_local(root: Any, ref: str) -> Any:
+def resolve_local_ref(root: Any, ref: str) -> Any:
     """The target of a local `$ref` ("#" or a "#/..." JSON pointer), or None."""
     if ref == "#":
         return root
@@ -271,5 +271,5 @@ def ref_cycle(schema: Any) -> str | None:
             if cur["$ref"] in chain:
                 return " -> ".join([*chain, cur["$ref"]])
             chain.append(cur["$ref"])
-            cur = _resolve_local(schema, cur["$ref"])
+            cur = resolve_local_ref(schema, cur["$ref"])
     return None

@@ -84,6 +84,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc, base: str, timeout: float, what: str = "plait serve") -> None:
+    """Wait until the server subprocess `proc` answers /health at `base` with 200; fail (with its
+    output) if it exits first or `timeout` seconds pass."""
+    import httpx
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, f"{what} did not become healthy"
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return
+        time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def serve(app):
     """Run an ASGI app with uvicorn on a free loopback port in a thread; yield its base URL."""

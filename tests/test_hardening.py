@@ -27,7 +27,7 @@ import time
 import httpx
 import msgspec
 import pytest
-from conftest import free_port, serve
+from conftest import free_port, serve, wait_healthy
 from plait.runtime import http_server
 from plait.runtime.http_server import create_app
 from test_http_server import REPO, assert_error, sse_events, wait_no_kv
@@ -455,14 +455,7 @@ def served(model: str, *flags: str):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "plait serve did not become healthy"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.2)
+        wait_healthy(proc, base, 240, "plait serve")
         yield proc, base
     finally:
         if proc.poll() is None:

@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from conftest import free_port, serve
+from conftest import free_port, serve, wait_healthy
 from plait.runtime.http_server import create_app
 from plait.runtime.router import Router, create_router_app, label_metrics, routing_text
 from plait.runtime.router_policy import (
@@ -353,14 +353,7 @@ def dp_serve(model: str, dp_size: int = 2):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300   # three servers load on a shared machine
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "plait serve --dp-size did not become healthy"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.2)
+        wait_healthy(proc, base, 300, "plait serve --dp-size")   # three servers load on a shared machine
         yield proc, base
     finally:
         if proc.poll() is None:
