@@ -15,7 +15,11 @@ import os
 import random
 import time
 
+from plait.runtime.server_args import ServerArgs
+
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# As the scheduler process gets it (scheduler_process.openmp_environ): read when torch loads.
+os.environ.setdefault("GOMP_SPINCOUNT", str(ServerArgs.omp_spincount))
 
 
 class Timer:
@@ -95,7 +99,6 @@ def main(argv: list[str] | None = None) -> dict:
                     help="weights; several: one scheduler each, their steps interleaved batch by batch")
     args = ap.parse_args(argv)
     from plait.runtime.scheduler import Scheduler
-    from plait.runtime.server_args import ServerArgs
     batches = sorted(args.batch)
     scheds = {}
     for quant in args.quantization:

@@ -63,6 +63,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-max-batch", type=int, default=None,
                    help="speculate only while at most this many requests run (default 4)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--omp-spincount", type=int, default=None,
+                   help="OpenMP busy-wait of the model's threads after each parallel region, in spin-loop "
+                        "iterations (GOMP_SPINCOUNT; default 20000, well under a millisecond): saves a thread "
+                        "wake-up on every matmul of a step. 0: sleep at once, for cores shared with other "
+                        "compute-heavy processes. GOMP_SPINCOUNT in the environment wins")
     p.add_argument("--enable-torch-compile", action="store_true",
                    help="torch.compile the model step (attention stays eager); off by default")
     p.add_argument("--disable-cuda-graph", action="store_true",
@@ -84,7 +89,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 # CLI option -> ServerArgs field; None means "the engine's default".
 _ENGINE_OPTIONS = ("model", "dtype", "device", "context_length", "max_total_tokens", "kv_memory_fraction",
                    "chunked_prefill_size", "max_running_requests", "schedule_policy", "disable_radix_cache",
-                   "num_threads", "random_seed", "log_level", "grammar_backend", "grammar_compile_timeout",
+                   "num_threads", "omp_spincount", "random_seed", "log_level", "grammar_backend", "grammar_compile_timeout",
                    "disable_jump_forward", "speculative_algorithm", "speculative_num_draft_tokens",
                    "speculative_ngram_min_match", "speculative_ngram_max_match", "speculative_max_batch",
                    "speculative_draft_model", "speculative_draft_quantization", "speculative_draft_max_tokens",

@@ -368,11 +368,12 @@ class Engine:
 def run_worker_node(args: ServerArgs) -> int:
     """`plait serve --node-rank K` (K > 0): run this node's tensor-parallel ranks, which join rank 0
     at `args.dist_init_addr` and follow its batches, until they exit; 0 when all stopped cleanly."""
-    from .scheduler_process import tp_worker_processes
+    from .scheduler_process import openmp_environ, tp_worker_processes
     args = dataclasses.replace(args, model=resolve_model(args.model, revision=args.revision))
     procs = tp_worker_processes(args, None, os.getpid())
-    for proc in procs:
-        proc.start()
+    with openmp_environ(args):
+        for proc in procs:
+            proc.start()
     try:
         for proc in procs:
             proc.join()

@@ -25,7 +25,7 @@ from .ipc import (DETOKENIZER_OUT, SCHEDULER_IN, SCHEDULER_OUT, AbortReq, Codec,
                   RpcReply, RpcReq, Shutdown, TokenOutputBatch, endpoint, make_ipc_dir, pull_socket, push_socket,
                   remove_ipc_dir)
 from .request import GenerateInput, TokenOutput
-from .scheduler_process import free_loopback_addr, run_scheduler, tp_worker_processes
+from .scheduler_process import free_loopback_addr, openmp_environ, run_scheduler, tp_worker_processes
 from .server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -87,10 +87,11 @@ class SchedulerClient:
         # Tensor parallelism: ranks > 0, which only run the forwards rank 0 (the scheduler) sends.
         self.tp_workers = tp_worker_processes(child_args, self.ipc_dir, os.getpid())
         try:
-            self.process.start()
+            with openmp_environ(args):
+                self.process.start()
+                for proc in self.tp_workers:
+                    proc.start()
             self.detokenizer.start()
-            for proc in self.tp_workers:
-                proc.start()
         except BaseException:
             self.close()
             raise

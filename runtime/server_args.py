@@ -24,6 +24,7 @@ class ServerArgs:
     cuda_graph_eager: bool = False           # tests / debugging: the graph runner's padded static decode without capture (also on the CPU)
     quantization: str | None = None          # None | int8 (per-channel int8 weights) | int4 (group-32 Q4_1-style) | fp8 (CUDA sm90+; else int8)
     num_threads: int | None = None           # torch intra-op threads; default: all cores
+    omp_spincount: int = 20000               # OpenMP busy-wait after a parallel region in the model's processes (GOMP_SPINCOUNT); 0: sleep at once
     random_seed: int | None = None
     revision: str | None = None
     grammar_backend: str = "auto"            # auto (llguidance for JSON schemas, else xgrammar; fallback) | xgrammar | llguidance | outlines
@@ -76,6 +77,8 @@ class ServerArgs:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.quantization not in (None, "int8", "int4", "fp8"):
             raise ValueError(f"quantization must be int8, int4 or fp8 (or unset), got {self.quantization!r}")
+        if self.omp_spincount < 0:
+            raise ValueError(f"omp_spincount must be >= 0, got {self.omp_spincount}")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError(f"max_total_tokens must be >= 2, got {self.max_total_tokens}")
         if not 0 < self.kv_memory_fraction <= 0.9:   # the KV pool must leave room for the rest: no OOM kill

@@ -25,7 +25,8 @@ from plait.runtime.ipc import (AbortReq, Codec, Fatal, FromScheduler, Ready, Rpc
                                ToDetokenizer, ToScheduler, TokenOutputBatch)
 from plait.runtime.request import GenerateInput, TokenOutput
 from plait.runtime.sampling_params import SamplingParams
-from plait.runtime.scheduler_process import SchedulerWorker
+from plait.runtime.scheduler_process import SchedulerWorker, openmp_environ
+from plait.runtime.server_args import ServerArgs
 
 LONG = {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}
 
@@ -60,6 +61,7 @@ def _engine(path: str, **kw) -> plait.Engine:
 
 
 def test_scheduler_process_and_clean_shutdown(tiny_model_dirs):
+    spin_before = os.environ.get("GOMP_SPINCOUNT")
     eng = _engine(tiny_model_dirs["llama"])
     pid, ipc_dir = eng.scheduler_pid, eng.ipc_dir
     detok = eng.detokenizer_pid
@@ -72,8 +74,14 @@ def test_scheduler_process_and_clean_shutdown(tiny_model_dirs):
         assert out["meta_info"]["completion_tokens"] == 4
         assert eng.get_server_info()["num_generated_tokens"] >= 4
         assert_no_leak(eng)
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            child_env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        assert child_env[b"OMP_WAIT_POLICY"] == os.environ.get("OMP_WAIT_POLICY", "PASSIVE").encode()
+        assert child_env[b"GOMP_SPINCOUNT"] == os.environ.get("GOMP_SPINCOUNT", "20000").encode()
+        assert os.environ.get("GOMP_SPINCOUNT") == spin_before   # set for the child only
         cpu = _cpu_seconds(pid)
         time.sleep(1.0)
+        # A bounded busy-wait after each parallel region, then sleep: no spinning between requests.
         assert _cpu_seconds(pid) - cpu < 0.2, "the idle scheduler should sleep, not spin"
         cpu = _cpu_seconds(detok)
         time.sleep(0.5)
@@ -86,6 +94,24 @@ def test_scheduler_process_and_clean_shutdown(tiny_model_dirs):
         eng.generate("hello", {"max_new_tokens": 1})
     eng.abort("anything")       # a no-op, never an error
     eng.shutdown()              # idempotent
+
+
+def test_openmp_environ_is_set_for_the_children_and_restored(monkeypatch):
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    with openmp_environ(ServerArgs(omp_spincount=1234)):
+        assert os.environ["GOMP_SPINCOUNT"] == "1234"
+        assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"    # the user's choice wins
+    assert "GOMP_SPINCOUNT" not in os.environ and os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    monkeypatch.setenv("GOMP_SPINCOUNT", "7")
+    with openmp_environ(ServerArgs(omp_spincount=0)):
+        assert os.environ["GOMP_SPINCOUNT"] == "7"
+    assert os.environ["GOMP_SPINCOUNT"] == "7"
+    with pytest.raises(ValueError, match="omp_spincount"):
+        ServerArgs(omp_spincount=-1)
+    from plait.cli import _ENGINE_OPTIONS, build_parser
+    assert build_parser().parse_args(["serve", "--omp-spincount", "0"]).omp_spincount == 0
+    assert "omp_spincount" in _ENGINE_OPTIONS
 
 
 def test_killed_scheduler_aborts_pending_requests(tiny_model_dirs):
