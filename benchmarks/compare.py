@@ -34,7 +34,10 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from plait.runtime.server_args import set_openmp_defaults
+
+# Both engines get the OpenMP settings of plait's scheduler process (HF runs in this one).
+set_openmp_defaults()
 
 
 # --- llama.cpp ------------------------------------------------------------------------------------

@@ -11,7 +11,10 @@ import json
 import os
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from plait.runtime.server_args import set_openmp_defaults
+
+# Both engines get the OpenMP settings of plait's scheduler process (HF runs in this one).
+set_openmp_defaults()
 
 TOPICS = ["a robot", "the sea", "a lighthouse", "a dragon", "the moon", "a garden", "a train", "a city",
           "a violin", "a storm", "a library", "a mountain", "a clock", "a river", "a forest", "a desert"]

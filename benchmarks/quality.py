@@ -42,12 +42,15 @@ DEFAULT_CONFIGS = ("float32", "bfloat16", "int8", "int4")
 
 
 def parse_config(name: str) -> dict:
-    """`float32` / `bfloat16` -> that dtype; `int8` / `int4` / `fp8` -> float32 model, quantized weights."""
-    if name in ("float32", "bfloat16"):
-        return {"dtype": name}
-    if name in ("int8", "int4", "fp8"):
-        return {"dtype": "float32", "quantization": name}
-    raise ValueError(f"unknown configuration {name!r}: float32, bfloat16, int8, int4 or fp8")
+    """`float32` / `bfloat16` -> that dtype; `int8` / `int4` / `fp8` -> float32 model, quantized
+    weights; `bfloat16+int4` (and so on) -> that dtype's activations with those weights."""
+    dtype, plus, weights = name.partition("+")
+    if not plus:
+        dtype, weights = ("float32", name) if name in ("int8", "int4", "fp8") else (name, None)
+    if dtype in ("float32", "bfloat16") and weights in (None, "int8", "int4", "fp8"):
+        return {"dtype": dtype} if weights is None else {"dtype": dtype, "quantization": weights}
+    raise ValueError(f"unknown configuration {name!r}: float32, bfloat16, int8, int4, fp8 "
+                     "or DTYPE+WEIGHTS (e.g. bfloat16+int4)")
 
 
 def run_config(model: str, config: str, prompt_ids: list[list[int]], text_ids: list[int], gen_len: int,
@@ -117,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS),
-                    help="float32 (the reference, always run), bfloat16, int8, int4, fp8")
+                    help="float32 (the reference, always run), bfloat16, int8, int4, fp8, bfloat16+int4, ...")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--gen-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count())

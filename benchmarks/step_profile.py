@@ -15,11 +15,9 @@ import os
 import random
 import time
 
-from plait.runtime.server_args import ServerArgs
+from plait.runtime.server_args import ServerArgs, set_openmp_defaults
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# As the scheduler process gets it (scheduler_process.openmp_environ): read when torch loads.
-os.environ.setdefault("GOMP_SPINCOUNT", str(ServerArgs.omp_spincount))
+set_openmp_defaults()   # as the scheduler process has them
 
 
 class Timer:

@@ -33,7 +33,7 @@ import zmq
 from .ipc import (SCHEDULER_IN, SCHEDULER_OUT, AbortReq, Codec, Fatal, Ready, RpcReply, RpcReq, Shutdown,
                   ToScheduler, TokenOutputBatch, endpoint, pull_socket, push_socket, remove_ipc_dir)
 from .request import GenerateInput, TokenOutput
-from .server_args import ServerArgs
+from .server_args import ServerArgs, set_openmp_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -140,15 +140,11 @@ def _abort(rid: str, message: str) -> TokenOutput:
 
 @contextlib.contextmanager
 def openmp_environ(args: ServerArgs) -> Iterator[None]:
-    """Environment for starting the model's processes (scheduler, tensor-parallel ranks), which
-    inherit it: OpenMP threads that sleep when idle (OMP_WAIT_POLICY=PASSIVE: spinning threads of
-    several processes on shared cores can slow a step 20x) but busy-wait `args.omp_spincount` spins
-    after each parallel region first, so the back-to-back matmuls of one step do not each pay a
-    futex wake-up (batch-1 decode ~1.3x faster on 2 cores). Values already in the environment win.
-    Set around `Process.start()` because libgomp reads them once, when the child loads torch."""
+    """`set_openmp_defaults(args.omp_spincount)` for the processes started inside (scheduler,
+    tensor-parallel ranks: they inherit the environment), then this process's environment back as
+    it was. Set around `Process.start()`: a spawned child may load torch before our code runs."""
     saved = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    os.environ.setdefault("GOMP_SPINCOUNT", str(args.omp_spincount))
+    set_openmp_defaults(args.omp_spincount)
     try:
         yield
     finally:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 
@@ -108,3 +109,13 @@ class ServerArgs:
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**kwargs)
+
+
+def set_openmp_defaults(spincount: int = ServerArgs.omp_spincount) -> None:
+    """The OpenMP settings of the model's processes, unless the environment has its own: idle
+    threads sleep (OMP_WAIT_POLICY=PASSIVE: spinning threads of several processes sharing cores
+    can slow a step 20x) after busy-waiting `spincount` spins (GOMP_SPINCOUNT), so the back-to-back
+    matmuls of one step do not each pay a futex wake-up. libgomp reads them once, when torch loads:
+    call this before, in a process that runs a model (the scheduler's, a benchmark's)."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("GOMP_SPINCOUNT", str(spincount))

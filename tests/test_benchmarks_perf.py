@@ -47,6 +47,16 @@ def test_quality_tiny(tiny_model_dirs, tmp_path):
     assert json.loads(out.read_text())["results"]["int8"]["perplexity"] == res["int8"]["perplexity"]
 
 
+def test_quality_configs_name_activations_and_weights():
+    from plait.benchmarks.quality import parse_config
+    assert parse_config("bfloat16") == {"dtype": "bfloat16"}
+    assert parse_config("int4") == {"dtype": "float32", "quantization": "int4"}
+    assert parse_config("bfloat16+int4") == {"dtype": "bfloat16", "quantization": "int4"}
+    for bad in ("int3", "bfloat16+float32", "fp16+int8", "bfloat16+"):
+        with pytest.raises(ValueError, match="unknown configuration"):
+            parse_config(bad)
+
+
 def test_compare_tiny(tiny_model_dirs, tmp_path, capsys):
     from plait.benchmarks.compare import main
     out, png = tmp_path / "c.json", tmp_path / "c.png"
