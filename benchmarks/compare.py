@@ -16,7 +16,9 @@ Engines, taking turns at each level so that a change in machine load hits all of
 - HF transformers `generate`, one request at a time and statically batched (C per call; chat only:
   it has no grammar-constrained decoding);
 - llama.cpp on the same GGUF, when a `llama-server` binary is on PATH (continuous batching with
-  C slots) or `llama-cpp-python` is installed (its server); otherwise "llama.cpp: not found".
+  C slots) or `llama-cpp-python` is installed (its server); otherwise "llama.cpp: not found". It
+  runs with OpenMP's default settings, as its users run it; HF and plait get plait's (idle threads
+  spin briefly, then sleep: `set_openmp_defaults`).
 
 Writes the results as JSON (--json) and a PNG of chat throughput against concurrency (--plot;
 needs matplotlib: pip install 'plait[bench]').
