@@ -169,7 +169,7 @@ def run_scheduler(args: ServerArgs, ipc_dir: str, parent: int) -> None:
     """Process entry point: load the model from `args` (`args.model` already resolved to a local
     folder by the parent), send Ready (or Fatal), then serve until told to stop or until process
     `parent` (the engine's, passed in: by the time we run it may already be gone) is gone."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch is imported
+    set_openmp_defaults(args.omp_spincount)   # unless inherited from the parent; before torch loads
     # Ctrl-C reaches the whole process group; the parent decides what happens to us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.getLogger("plait").setLevel(args.log_level.upper())
@@ -297,7 +297,7 @@ def run_tp_worker(args: ServerArgs, rank: int, ipc_dir: str | None, parent: int)
     forwards rank 0 sends until it says stop. Exits (code 1) when rank 0 is gone or the group
     fails, and at once when process `parent` is gone. A load failure is reported to the engine
     as a Fatal when `ipc_dir` is given (on node 0)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch is imported
+    set_openmp_defaults(args.omp_spincount)   # unless inherited from the parent; before torch loads
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.getLogger("plait").setLevel(args.log_level.upper())
     alive = threading.Event()
