@@ -28,9 +28,11 @@ logits of benchmarks/quality.py's text: int4 0.0017, int8 0.0050; perplexity 24.
 24.060 (int4), 24.086 (int8). Kernels:
 
 - CPU, `int4pack` (default): torch's `_weight_int4pack_mm_for_cpu` with bfloat16 activations
-  (float32 ones are ~20x slower) for a single row; from 2 rows a prepacked bfloat16 copy of the
-  dequantized weight, as int8 does (per 120 SmolLM2 matrices, 2 cores, load ~1.5: M=1 int4 7.4 ms,
-  bf16 copy 8.6, int8pack 7.0, float32 prepacked 18.2; M=2 8.7 vs 8.6; M=8 21.8 vs 14.0). The
+  (float32 ones are ~20x slower) up to 9 rows (small batches, a request's speculative drafts);
+  from 10 rows a prepacked bfloat16 copy of the dequantized weight, as int8 does (whole-step
+  figures at `_INT4PACK_MAX_ROWS`; the matmuls alone, per 120 SmolLM2 matrices, 2 cores, load ~1.5,
+  when idle OpenMP threads still slept at once: M=1 int4 7.4 ms, bf16 copy 8.6, int8pack 7.0,
+  float32 prepacked 18.2). The
   kernel needs N % 16 == 0 (else the bf16 copy serves every row); a layer whose K is not a
   multiple of 32 is int8 instead. So int4 on the CPU holds 2.5 bytes a weight, 0.5 of it read at
   batch 1. Whole decode steps of SmolLM2 (`plait bench step_profile --dtype float32 --quantization
@@ -66,7 +68,10 @@ INT4_KERNELS = ("int4pack", "dequant")
 INT4_GROUP_SIZE = 32     # GGUF Q4_1's block
 _FP8_MAX = 448.0   # largest finite float8_e4m3fn
 _INT8PACK_MAX_ROWS = 4   # CPU: from this many rows, the bf16 copy of the dequantized weight is faster
-_INT4PACK_MAX_ROWS = 2   # CPU: the int4 kernel only for single rows; from 2, the bf16 copy is as fast or faster
+# CPU: below this many rows the int4 kernel, from it the bf16 copy. Whole bf16+int4 decode steps,
+# arms alternating in one process (load 1.2-1.5), ms kernel vs copy: batch 2 19.2 vs 32.1, 4 23.0 vs
+# 31.4, 8 30.2-33.3 vs 34.3-38.2, 12 52.0 vs 52.3, 16 46.8 vs 43.1, 32 81.2 vs 62.1.
+_INT4PACK_MAX_ROWS = 10
 _INT4PACK_GROUP_SIZES = (32, 64, 128, 256)   # what torch's CPU int4 kernel accepts
 
 
@@ -214,8 +219,8 @@ class Int4Linear(_WeightOnlyLinear):
     torch's CPU int4 kernel: `W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]` with
     `zero = minimum + 8 * scale` (bfloat16 scales: at most ~1.6% of a quantization step away from
     Q4_1's fp16 d and m). Kernels: `int4pack` (CPU) runs `_weight_int4pack_mm_for_cpu` with
-    bfloat16 activations for a single row, and a prepacked bfloat16 copy of W from 2 rows on (that
-    kernel does not reuse a weight across rows); it needs N % 16 == 0, else the copy serves every
+    bfloat16 activations below `_INT4PACK_MAX_ROWS` rows, and a prepacked bfloat16 copy of W from
+    there on (that kernel does not reuse a weight across rows); it needs N % 16 == 0, else the copy serves every
     row. `dequant` computes `F.linear` with W dequantized in the input's dtype (other devices, the
     reference)."""
 
