@@ -9,12 +9,10 @@ common prefix with the request's committed tokens.
 
 Drafts are point masses, so the scheduler's acceptance rule (see plait.runtime.speculative) keeps
 greedy output identical and seeded sampling exact, whatever the draft proposes — or declines to.
-That freedom pays for an adaptive draft length per request: a draft forward costs a fair part of
-a target forward (SmolLM2 int4 drafting for float32: ~0.4x), so drafts that are rejected (sampled
-requests, where a greedy draft is kept with probability p(draft)) make a request slower than no
-speculation at all. Each request's length doubles after a round fully kept, drops to what was kept
-plus one after a partial one, and after a round with nothing kept the request pauses drafting for
-1, 2, 4 ... 16 rounds (doubling while nothing is kept, reset by any kept draft).
+That freedom pays for an adaptive draft length per request (`speculative.DraftLength`): a draft
+forward costs a fair part of a target forward (SmolLM2 int4 drafting for float32: ~0.4x), so drafts
+that are rejected (sampled requests, where a greedy draft is kept with probability p(draft)) make a
+request slower than no speculation at all.
 """
 from __future__ import annotations
 
@@ -29,43 +27,33 @@ from .memory_pool import ReqToTokenTable, TokenSlotAllocator
 from .model_loader import load_config, resolve_model
 from .model_runner import ModelRunner
 from .server_args import ServerArgs
+from .speculative import DraftLength
 
 logger = logging.getLogger(__name__)
 
-
-MAX_PAUSE = 16     # rounds a request whose drafts keep failing waits before drafting again
 
 
 class _DraftState:
     """What the draft cache holds for one request (KV of `ids` at `table[row, :len(ids)]`) and its
     adaptive draft length."""
 
-    __slots__ = ("base", "drafts", "ids", "k", "misses", "pause", "row", "used")
+    __slots__ = ("base", "drafts", "ids", "length", "row", "used")
 
-    def __init__(self, row: int, k: int):
+    def __init__(self, row: int, max_k: int):
         self.row = row
         self.ids: list[int] = []
         self.used = 0          # proposal round of the last use (least recently used is evicted first)
-        self.k = k             # drafts to propose next
+        self.length = DraftLength(max_k)
         self.drafts: list[int] = []   # the last proposal, not yet compared with what was kept ...
         self.base = 0                 # ... which followed the first `base` committed tokens
-        self.misses = 0        # consecutive rounds with no draft kept
-        self.pause = 0         # rounds left without drafting
 
-    def observe(self, ids: list[int], max_k: int) -> None:
+    def observe(self, ids: list[int]) -> None:
         """Adapt the draft length to how many of the last drafts the committed `ids` kept."""
         if not self.drafts:
             return
         n = len(self.drafts)
-        kept = len(os.path.commonprefix([self.drafts, ids[self.base:self.base + n]]))
+        self.length.record(n, len(os.path.commonprefix([self.drafts, ids[self.base:self.base + n]])))
         self.drafts = []
-        if kept == n:
-            self.k, self.misses = min(2 * self.k, max_k), 0
-        elif kept:
-            self.k, self.misses = kept + 1, 0
-        else:
-            self.k, self.misses = 1, self.misses + 1
-            self.pause = min(2 ** (self.misses - 1), MAX_PAUSE)
 
 
 class DraftModel:
@@ -148,12 +136,12 @@ class DraftModel:
             st = self.states.get(rid)
             if st is not None:
                 st.used = self._round
-                st.observe(ids, self.max_k)
-                if st.pause:
-                    st.pause -= 1
+                st.observe(ids)
+                if (own := st.length.take()) == 0:   # pausing
                     continue
+                k = min(k, own)
             # the last draft's position must be < context_len
-            k = min(k, self.context_len - len(ids), st.k if st is not None else self.max_k)
+            k = min(k, self.context_len - len(ids))
             st = self._state(rid) if k > 0 and ids else None
             if st is None:
                 continue

@@ -50,7 +50,7 @@ class Req:
                  "logprob_start_len", "top_logprobs_num", "row", "kv_len", "cached_len",
                  "last_node", "cached_tokens", "finish_reason", "prefilled", "input_logprobs",
                  "input_top_logprobs", "stop_tail_tokens", "arrival", "matcher", "num_draft",
-                 "draft_source", "ngram")
+                 "draft_source", "ngram", "ngram_length")
 
     def __init__(self, inp: GenerateInput, arrival: int):
         self.rid = inp.rid
@@ -77,6 +77,7 @@ class Req:
         self.num_draft = 0                     # trailing output_ids proposed as drafts, not yet verified
         self.draft_source = ""                 # who proposed them: "grammar" (jump-forward), "ngram" or "draft"
         self.ngram = None                      # speculative.NgramIndex over fill_ids, made on first use
+        self.ngram_length = None               # speculative.DraftLength of its n-gram drafts, likewise
 
     @property
     def fill_ids(self) -> list[int]:

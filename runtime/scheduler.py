@@ -24,7 +24,7 @@ from .request import GenerateInput, Req, TokenOutput
 from .sampler import Sampler, SamplingBatch
 from .sampling_params import SamplingParams
 from .server_args import ServerArgs
-from .speculative import NgramIndex, acceptance_rate
+from .speculative import DraftLength, NgramIndex, acceptance_rate
 
 logger = logging.getLogger(__name__)
 
@@ -477,6 +477,11 @@ class Scheduler:
             return
         if req.ngram is None:
             req.ngram = NgramIndex(a.speculative_ngram_min_match, a.speculative_ngram_max_match)
+        if req.ngram_length is None:
+            req.ngram_length = DraftLength(a.speculative_num_draft_tokens, shrink=False)
+        k = min(k, req.ngram_length.take())
+        if k <= 0:   # pausing after rejected rounds
+            return
         self._append_drafts(req, req.ngram.propose(req.fill_ids, k), self._direct_jump(req))
         if req.num_draft:
             req.draft_source = "ngram"
@@ -602,6 +607,8 @@ class Scheduler:
         if req.draft_source in ("ngram", "draft"):
             self.num_spec_proposed_tokens += k
             self.num_spec_accepted_tokens += kept
+            if req.draft_source == "ngram":   # (the draft model tracks its own from the committed ids)
+                req.ngram_length.record(k, kept)
         else:
             self.num_jump_forward_tokens += max(len(new) - 1, 0)
         # KV stands for the kept drafts only: not for the model's own last token (its slot may

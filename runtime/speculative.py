@@ -4,7 +4,8 @@ A request's next tokens are guessed by finding the most recent earlier occurrenc
 n tokens (n from `max_match` down to `min_match`) in prompt + output and proposing the tokens
 that followed it. Nothing is sampled here: the scheduler appends the drafts to the request,
 computes them all in the next forward pass and keeps the longest prefix that equals what the
-sampler draws at each position (see `accepted_prefix`).
+sampler draws at each position (see `accepted_prefix`). How many drafts a request proposes
+adapts to how many it had kept (`DraftLength`), for n-gram and draft-model drafts alike.
 
 Why that acceptance rule is exact: the sampler's draw at a position is a pure function of
 (seed, step, distribution). A point-mass draft t is kept iff that draw equals t, which happens
@@ -55,6 +56,47 @@ class NgramIndex:
             if start is not None:
                 return ids[start:start + k]
         return []
+
+
+MAX_PAUSE = 16     # rounds a request whose drafts keep failing waits before drafting again
+
+
+class DraftLength:
+    """A request's adaptive draft length. Rejected drafts are not free: each costs a verification
+    position in the target's forward (at batch 1 a float32 step with 9 rows costs more than one with
+    1), and with a draft model a draft forward too, so a request whose drafts keep failing is slower
+    with speculation than without. A round with nothing kept pauses drafting for 1, 2, 4 ...
+    MAX_PAUSE rounds (doubling while nothing is kept, reset by any kept draft). With `shrink` (draft
+    models, where each draft costs a forward) a partial round also sets the length to what was
+    kept plus one, and a fully kept one doubles it again (up to `max_k`); n-gram drafts cost nothing
+    to propose, and 2 or 9 verification rows cost about the same, so they keep `max_k`."""
+
+    __slots__ = ("k", "max_k", "misses", "pause", "shrink")
+
+    def __init__(self, max_k: int, shrink: bool = True):
+        self.k = self.max_k = max_k   # drafts to propose next
+        self.shrink = shrink
+        self.misses = 0               # consecutive rounds with no draft kept
+        self.pause = 0                # rounds left without drafting
+
+    def record(self, proposed: int, kept: int) -> None:
+        """Adapt to a verified round: `kept` of `proposed` drafts were kept."""
+        if proposed <= 0:
+            return
+        if kept == 0:
+            self.misses += 1
+            self.pause = min(2 ** (self.misses - 1), MAX_PAUSE)
+        else:
+            self.misses = 0
+        if self.shrink:
+            self.k = min(2 * self.k, self.max_k) if kept == proposed else kept + 1
+
+    def take(self) -> int:
+        """How many drafts to propose this round: 0 while pausing (using up one paused round)."""
+        if self.pause:
+            self.pause -= 1
+            return 0
+        return self.k
 
 
 def accepted_prefix(drafts: list[int], targets: list[int]) -> int:

@@ -177,6 +177,21 @@ def test_greedy_identical_tiny(tiny_runner, n):
     assert s.num_generated_tokens == sum(len(v[0]) for v in spec.values())
 
 
+def test_ngram_drafts_pause_while_rejected(tiny_runner):
+    """Drafts that are never kept: after each fully rejected round the request pauses drafting
+    for 1, 2, 4 ... rounds, so it proposes a handful of tokens, not 8 every step; output unchanged."""
+    plain = run_all(make(tiny_runner, False), inputs(1, 48))
+    s = make(tiny_runner, True)
+    for inp in inputs(1, 48):
+        s.add_request(inp)
+    s.waiting[0].ngram = OracleDrafts(len(s.waiting[0].origin_ids), plain["r0"][0], wrong=1)
+    spec = run_all(s, [])
+    assert spec == plain
+    assert s.num_spec_accepted_tokens == 0
+    # 8 drafts in round 1, then after pauses of 1, 2, 4, 8 and 16 rounds (47 rounds in all)
+    assert 0 < s.num_spec_proposed_tokens <= 6 * 8
+
+
 def test_no_speculation_above_max_batch(tiny_runner):
     plain, spec, s = both(tiny_runner, lambda: inputs(3), speculative_max_batch=2)
     assert spec == plain
@@ -600,25 +615,47 @@ def test_engine_checks_the_draft_model_first(tiny_model_dirs, tmp_path):
 def test_draft_length_adapts():
     """Fully kept rounds double the draft length (to the maximum), a partial one sets it to what
     was kept plus one, nothing kept pauses drafting 1, 2, 4 ... rounds until a draft is kept."""
-    from plait.runtime.draft_model import MAX_PAUSE, _DraftState
-    st = _DraftState(row=0, k=8)
+    from plait.runtime.speculative import MAX_PAUSE, DraftLength
+    n = DraftLength(8)
+    assert n.take() == 8
+    n.record(3, 2)
+    assert (n.k, n.pause) == (3, 0)
+    n.record(3, 3)
+    assert (n.k, n.pause) == (6, 0)
+    n.record(6, 6)
+    assert n.take() == 8
+    pauses = []
+    for _ in range(7):
+        n.record(1, 0)
+        pauses.append(n.pause)
+        n.pause = 0
+    assert n.k == 1 and pauses == [1, 2, 4, 8, 16, 16, 16] and MAX_PAUSE == 16
+    n.pause = 2
+    assert [n.take(), n.take(), n.take()] == [0, 0, 1]   # each paused round is used up once
+    n.record(1, 1)
+    assert (n.k, n.misses) == (2, 0)
+    n.record(0, 0)                     # nothing proposed: nothing changes
+    assert n.k == 2
+    fixed = DraftLength(8, shrink=False)  # n-gram drafts: the length stays, only misses pause
+    fixed.record(8, 3)
+    assert (fixed.take(), fixed.pause) == (8, 0)
+    fixed.record(8, 0)
+    assert (fixed.take(), fixed.take()) == (0, 8)
+
+
+def test_draft_state_counts_what_the_committed_ids_kept():
+    from plait.runtime.draft_model import _DraftState
+    st = _DraftState(row=0, max_k=8)
     base = [1, 2, 3]
 
     def round_(drafts, committed):
         st.drafts, st.base = drafts, len(base)
-        st.observe(base + committed, 8)
+        st.observe(base + committed)
     round_([4, 5, 6], [4, 5, 9])
-    assert (st.k, st.pause) == (3, 0)
+    assert st.length.k == 3
     round_([4, 5, 6], [4, 5, 6, 7])
-    assert (st.k, st.pause) == (6, 0)
-    round_([4] * 6, [4] * 7)
-    assert st.k == 8
-    pauses = []
-    for _ in range(7):
-        round_([4], [5])
-        pauses.append(st.pause)
-    assert st.k == 1 and pauses == [1, 2, 4, 8, 16, 16, 16] and MAX_PAUSE == 16
-    round_([4], [4, 5])
-    assert (st.k, st.misses) == (2, 0)
-    st.observe(base + [4, 5], 8)         # no new proposal since: nothing changes
-    assert st.k == 2
+    assert st.length.k == 6
+    round_([4], [5])
+    assert (st.length.k, st.length.pause) == (1, 1)
+    st.observe(base + [4, 5])           # no new proposal since: nothing changes
+    assert (st.length.k, st.length.pause) == (1, 1)
