@@ -32,7 +32,6 @@ from .speculative import DraftLength
 logger = logging.getLogger(__name__)
 
 
-
 class _DraftState:
     """What the draft cache holds for one request (KV of `ids` at `table[row, :len(ids)]`) and its
     adaptive draft length."""
