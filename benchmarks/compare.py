@@ -36,12 +36,11 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from plait.runtime.server_args import set_openmp_defaults
+from plait.runtime.server_args import OPENMP_SETTINGS, set_openmp_defaults
 
 # HF (in this process) gets the OpenMP settings of plait's scheduler process; llama.cpp runs with
 # OpenMP's defaults, as its users run it (with OMP_WAIT_POLICY=PASSIVE its decode is ~3x slower here).
 set_openmp_defaults()
-_PLAIT_OMP_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 # --- llama.cpp ------------------------------------------------------------------------------------
@@ -74,7 +73,7 @@ class LlamaCppServer:
     def __init__(self, command: list[str], port: int, timeout: float = 300.0):
         import httpx
         self.url = f"http://127.0.0.1:{port}"
-        env = {k: v for k, v in os.environ.items() if k not in _PLAIT_OMP_SETTINGS}
+        env = {k: v for k, v in os.environ.items() if k not in OPENMP_SETTINGS}
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         self.client = httpx.Client(timeout=timeout)
         deadline = time.monotonic() + timeout

@@ -33,7 +33,7 @@ import zmq
 from .ipc import (SCHEDULER_IN, SCHEDULER_OUT, AbortReq, Codec, Fatal, Ready, RpcReply, RpcReq, Shutdown,
                   ToScheduler, TokenOutputBatch, endpoint, pull_socket, push_socket, remove_ipc_dir)
 from .request import GenerateInput, TokenOutput
-from .server_args import ServerArgs, set_openmp_defaults
+from .server_args import OPENMP_SETTINGS, ServerArgs, set_openmp_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ def openmp_environ(args: ServerArgs) -> Iterator[None]:
     """`set_openmp_defaults(args.omp_spincount)` for the processes started inside (scheduler,
     tensor-parallel ranks: they inherit the environment), then this process's environment back as
     it was. Set around `Process.start()`: a spawned child may load torch before our code runs."""
-    saved = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    saved = {k: os.environ.get(k) for k in OPENMP_SETTINGS}
     set_openmp_defaults(args.omp_spincount)
     try:
         yield

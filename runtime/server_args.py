@@ -111,6 +111,9 @@ class ServerArgs:
         return cls(**kwargs)
 
 
+OPENMP_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")   # the variables set_openmp_defaults sets
+
+
 def set_openmp_defaults(spincount: int = ServerArgs.omp_spincount) -> None:
     """The OpenMP settings of the model's processes, unless the environment has its own: idle
     threads sleep (OMP_WAIT_POLICY=PASSIVE: spinning threads of several processes sharing cores
