@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 setup: $(STAMP)
 
 # Torch goes in first and pinned: a bare "torch" requirement would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile runtime/csrc/cpu_kernels.cpp
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	# SGLang's frontend client, for tests/test_sglang_client.py: without deps, which pin torch,
 	# transformers and its GPU runtime (the client's own needs are in the test extra).
 	$(PY) -m pip install -q --no-deps sglang==0.5.5
+	# Build the fused CPU kernels once (cached under ~/.cache/torch_extensions), not in a server's start-up.
+	$(PY) -c "from plait.runtime import cpu_kernels; print('fused CPU kernels:', cpu_kernels.load())"
 	# Convert the GGUF once (cached under ~/.cache/plait) so the first run starts fast.
 	$(PY) -c "from plait.runtime.model_loader import resolve_model; print('default model:', resolve_model('smollm2'))"
 	touch $(STAMP)

@@ -8,6 +8,7 @@ import sys
 import torch
 from tqdm import tqdm
 
+from . import cpu_kernels
 from .attention import make_attention_backend
 from .cuda_graph import make_decode_graph_runner
 from .forward_batch import ForwardBatch
@@ -70,6 +71,8 @@ class ModelRunner:
         model_cls = get_model_class(self.config)
         self.dtype = resolve_dtype(args.dtype, self.config, self.device)
         self.context_len = args.context_length or self.config.max_position_embeddings
+        if self.device.type == "cpu":   # the fused small-op kernels (built once per machine)
+            cpu_kernels.load()
         self.model = model_cls(self.config, max_positions=self.context_len)
         # A progress bar on a terminal (plait serve); silent in logs and tests.
         weights = tqdm(load_weights(self.model_path), desc="loading weights", unit=" tensors",

@@ -7,12 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from plait.runtime import cpu_kernels
 from plait.runtime.attention import MirroredAttention, TorchNativeAttention
 from plait.runtime.forward_batch import ForwardBatch
 from plait.runtime.memory_pool import KVPool, ReqToTokenTable, TokenSlotAllocator
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 8
 SCALE = HEAD_DIM ** -0.5
+
+
+@pytest.fixture(autouse=True, params=["fused kernels", "eager ops"])
+def kernels(request, monkeypatch):
+    """Every scenario twice: decode rows through the fused decode-attention kernel and through SDPA."""
+    monkeypatch.setitem(cpu_kernels._state, "ok", request.param == "fused kernels" and cpu_kernels.load())
 
 
 class Sim:

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from plait.runtime import cpu_kernels
 from plait.runtime.forward_batch import ForwardBatch
 from plait.runtime.memory_pool import ReqToTokenTable, TokenSlotAllocator
 from plait.runtime.model_runner import ModelRunner
@@ -112,8 +113,15 @@ def prompts(smollm2_path):
     return [tok(t).input_ids for t in texts]
 
 
+@pytest.mark.parametrize("kernels", ["fused", "eager"])
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_tiny_models_match_hf(arch, tiny_model_dirs, prompts):
+def test_tiny_models_match_hf(arch, kernels, tiny_model_dirs, prompts, monkeypatch):
+    """With the fused CPU kernels (norms, RoPE, SiLU-mul, decode attention) and without them."""
+    if kernels == "eager":
+        monkeypatch.setattr(cpu_kernels, "load", lambda: False)
+        monkeypatch.setitem(cpu_kernels._state, "ok", False)
+    else:
+        assert cpu_kernels.load()
     check_model(tiny_model_dirs[arch], prompts)
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .. import cpu_kernels
 from ..attention import AttentionBackend
 from ..forward_batch import ForwardBatch
 from ..parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
@@ -55,14 +55,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # the fused kernel: the same float32 math in one op instead of six
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # HF's rounding (normalize in float32, round, then scale in the model's dtype), bit for
-        # bit, in four ops instead of eight
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(dtype)
+    def forward(self, x: torch.Tensor, residual_delta: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm(x) with HF's rounding; with `residual_delta`, first `x += residual_delta` in
+        place (x is the residual stream), fused into the same kernel."""
+        if residual_delta is None:
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
+        return cpu_kernels.add_rms_norm_(x, residual_delta, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -92,18 +90,20 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        """cos/sin: float32 `[T, head_dim]` at the tokens' positions."""
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.kv_heads, self.head_dim)
-        v = v.view(-1, self.kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        else:   # q and k are adjacent in qkv: rotate both heads' sets in one pass
-            qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(-1, self.num_heads + self.kv_heads, self.head_dim),
-                            cos, sin)
-            q, k = qk.split([self.num_heads, self.kv_heads], dim=1)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(-1, self.kv_heads, self.head_dim))
+            c, s = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
+            q, k = apply_rope(q, c, s), apply_rope(k, c, s)
+        else:   # q and k are adjacent in qkv (a fresh tensor): rotate both heads' sets in place
+            cpu_kernels.rope_(qkv, cos, sin, self.num_heads + self.kv_heads, self.head_dim)
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(-1, self.num_heads, self.head_dim)
+            k = k.view(-1, self.kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].reshape(-1, self.kv_heads, self.head_dim)
         return self.o_proj(backend.forward(q, k, v.contiguous(), self.layer_id, batch, self.scale))
 
 
@@ -116,8 +116,8 @@ class MLP(nn.Module):
         self.intermediate = self.gate_up_proj.output_sizes[0]   # this rank's share
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # [gate | up] are this rank's equal shares, so silu_mul's halves are gate and up
+        return self.down_proj(cpu_kernels.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -128,9 +128,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, batch, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, delta, cos, sin, batch, backend):
+        """The residual stream `x` takes the previous layer's output `delta` in place (fused into
+        the norm); returns (x, this layer's output), added by the next norm."""
+        h = self.input_layernorm(x, delta)
+        h = self.post_attention_layernorm(x, self.self_attn(h, cos, sin, batch, backend))
+        return x, self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -153,12 +156,12 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor | None:
-        x = self.embed_tokens(batch.input_ids)
-        cos = self.rope_cos[batch.positions].to(x.dtype)[:, None, :]
-        sin = self.rope_sin[batch.positions].to(x.dtype)[:, None, :]
+        x, delta = self.embed_tokens(batch.input_ids), None
+        cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
         for layer in self.layers:
-            x = layer(x, cos, sin, batch, backend)
-        return self.lm_head(self.norm(x.index_select(0, batch.logits_index)))
+            x, delta = layer(x, delta, cos, sin, batch, backend)
+        idx = batch.logits_index
+        return self.lm_head(self.norm(x.index_select(0, idx), delta.index_select(0, idx)))
 
     def prepack_for_cpu(self) -> bool:
         """Reorder every projection (and the LM head, also when tied) for oneDNN; CPU only."""

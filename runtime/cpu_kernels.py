@@ -1,0 +1,122 @@
+"""Fused CPU kernels for the decoder's small ops: RMSNorm (with the residual add), RoPE, SiLU-mul
+and decode attention, each one op instead of 5-50 (`csrc/cpu_kernels.cpp`).
+
+At decode batch sizes these ops touch a few KB each, so in eager PyTorch their cost is dispatch
+and OpenMP wake-ups: on SmolLM2 they were about half of a batch-1 step. The C++ source is compiled
+once per machine on first use (`torch.utils.cpp_extension`, ~1 min, cached under
+`~/.cache/torch_extensions`; `make setup` does it ahead of time). Where it cannot be built (no
+compiler), on other devices, or with `PLAIT_CPU_KERNELS=0`, every function here falls back to the
+eager PyTorch ops that compute the same thing — the reference the kernels are tested against.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_tag() -> str:
+    """The build uses -march=native: a cache shared by different CPUs must not share the binary."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = os.uname().machine
+    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+
+
+def load() -> bool:
+    """Build (once per machine) and load the kernels; False, with a warning logged once, when
+    they cannot be used. Thread-safe; concurrent processes wait on torch's build lock."""
+    with _lock:
+        if "ok" in _state:
+            return bool(_state["ok"])
+        ok = False
+        if os.environ.get("PLAIT_CPU_KERNELS", "1") == "0":
+            logger.info("fused CPU kernels disabled (PLAIT_CPU_KERNELS=0)")
+        else:
+            try:
+                from torch.utils import cpp_extension
+                cpp_extension.load(
+                    name=f"plait_cpu_kernels_{_cpu_tag()}", sources=[str(_SOURCE)], is_python_module=False,
+                    extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd"], verbose=False)
+                ok = hasattr(torch.ops.plait_cpu, "decode_attention")
+            except Exception as e:   # no compiler / ninja / headers: the eager ops still work
+                logger.warning("fused CPU kernels unavailable (%s: %s); using eager PyTorch ops",
+                               type(e).__name__, str(e).strip().splitlines()[-1:] or "")
+        _state["ok"] = ok
+        return ok
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """Whether `x`'s op can take the fused kernel: a CPU float32/bfloat16 tensor, kernels built."""
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and _state.get("ok", False) is True
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim with HF's rounding in bfloat16 (normalize in float32, round,
+    then scale by the weight in the model's dtype)."""
+    if enabled(x) and x.is_contiguous():
+        return torch.ops.plait_cpu.rms_norm(x, weight, eps)
+    return _rms_norm_eager(x, weight, eps)
+
+
+def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x += delta` in place (the residual stream), then `rms_norm(x)`."""
+    if enabled(x) and x.is_contiguous() and delta.is_contiguous() and delta.dtype == x.dtype:
+        return torch.ops.plait_cpu.add_rms_norm_(x, delta, weight, eps)
+    x.add_(delta)
+    return _rms_norm_eager(x, weight, eps)
+
+
+def _rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
+    """Rotate-half RoPE (HF layout), in place, on the first `heads` heads of each row of `x`
+    `[tokens, width]`; `cos`/`sin` are float32 `[tokens, head_dim]` (rounded to `x`'s dtype
+    first, as HF does)."""
+    if enabled(x) and x.stride(-1) == 1:
+        torch.ops.plait_cpu.rope_(x, cos, sin, heads, head_dim)
+        return
+    part = x[:, :heads * head_dim].view(-1, heads, head_dim)
+    c, s = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
+    half = head_dim // 2
+    rotated = torch.cat((-part[..., half:], part[..., :half]), dim=-1)
+    part.copy_(part * c + rotated * s)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for `gate_up = [gate | up]` along the last dim."""
+    if enabled(gate_up) and gate_up.is_contiguous():
+        return torch.ops.plait_cpu.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One query token per row: q float32 `[n, H, D]`, k/v `[n, KVH, >=L, D]` (views allowed), row
+    b attending to its first `lens[b]` keys. Returns `[n, H, D]` float32."""
+    if enabled(k) and q.dtype == torch.float32:
+        return torch.ops.plait_cpu.decode_attention(q.contiguous(), k, v, lens, scale)
+    n, heads, dim = q.shape
+    length = int(lens.max()) if lens.numel() else 0
+    keys, values = k[:, :, :length].to(q.dtype), v[:, :, :length].to(q.dtype)
+    mask = torch.zeros((n, 1, 1, length), dtype=q.dtype)
+    mask.masked_fill_(torch.arange(length)[None, None, None, :] >= lens[:, None, None, None], float("-inf"))
+    q4 = q.view(n, k.shape[1], heads // k.shape[1], dim)   # GQA: a KV head's queries as its query length
+    return F.scaled_dot_product_attention(q4, keys, values, attn_mask=mask, scale=scale).view(n, heads, dim)

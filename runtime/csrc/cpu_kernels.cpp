@@ -1,0 +1,386 @@
+// plait's fused CPU kernels for the decoder's small ops (see runtime/cpu_kernels.py).
+//
+// At decode batch sizes each of these ops touches a few KB, so in eager PyTorch their cost is
+// dispatch and thread wake-ups, not arithmetic: an RMSNorm is ~8 aten ops, RoPE ~9, SDPA on 3
+// queries per KV head ~50 us. Each kernel here is one op. Small work runs on the calling thread
+// (no OpenMP region to wake); large work (prefill, big batches) is split with at::parallel_for.
+//
+// bfloat16 follows Hugging Face transformers' rounding step by step (each intermediate the
+// eager model rounds to bfloat16 is rounded here too), so RoPE and SiLU-mul equal the eager ops
+// bit for bit; sums (the norm's mean of squares, attention) run in another order than PyTorch's,
+// which moves float32 results by rounding noise and, rarely, a bfloat16 norm output by one step.
+// Built with -ffp-contract=off so that a*b + c is never fused into one rounding.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+inline float f32(float x) { return x; }
+inline float f32(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// The value a tensor of type T stores for x (bfloat16: round to nearest even).
+template <typename T> inline float stored(float x) { return x; }
+template <> inline float stored<c10::BFloat16>(float x) { return static_cast<float>(c10::BFloat16(x)); }
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+}
+
+// Rows per parallel task so that a task is at least ~`work` multiply-adds.
+int64_t grain(int64_t per_row, int64_t work = 32768) {
+  return std::max<int64_t>(1, work / std::max<int64_t>(1, per_row));
+}
+
+// ---- RMSNorm, optionally after a residual add --------------------------------------------------
+template <typename T>
+void rms_norm_kernel(T* x, const T* delta, const T* w, T* y, int64_t rows, int64_t dim, float eps) {
+  at::parallel_for(0, rows, grain(dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * dim;
+      T* yr = y + r * dim;
+      float ss = 0.f;
+      if (delta != nullptr) {   // the residual stream: x += delta, rounded as the model rounds it
+        const T* dr = delta + r * dim;
+        for (int64_t i = 0; i < dim; ++i) {
+          T v = T(f32(xr[i]) + f32(dr[i]));
+          xr[i] = v;
+          float fv = f32(v);
+          ss += fv * fv;
+        }
+      } else {
+        for (int64_t i = 0; i < dim; ++i) {
+          float fv = f32(xr[i]);
+          ss += fv * fv;
+        }
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+      // HF: (x * rsqrt(var + eps)) cast to the input dtype, then times the weight.
+      for (int64_t i = 0; i < dim; ++i) yr[i] = T(stored<T>(f32(xr[i]) * inv) * f32(w[i]));
+    }
+  });
+}
+
+at::Tensor rms_norm_impl(at::Tensor x, const c10::optional<at::Tensor>& delta, const at::Tensor& w, double eps) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "rms_norm: contiguous tensors only");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type(), "rms_norm: weight dtype must match x");
+  const int64_t dim = x.size(-1), rows = x.numel() / std::max<int64_t>(dim, 1);
+  TORCH_CHECK(w.numel() == dim, "rms_norm: weight has ", w.numel(), " elements, x rows ", dim);
+  if (delta) {
+    TORCH_CHECK(delta->is_contiguous() && delta->sizes() == x.sizes() && delta->scalar_type() == x.scalar_type(),
+                "add_rms_norm: delta must be contiguous, shaped and typed as x");
+  }
+  at::Tensor y = at::empty_like(x);
+  if (x.scalar_type() == at::kFloat) {
+    rms_norm_kernel<float>(x.data_ptr<float>(), delta ? delta->data_ptr<float>() : nullptr,
+                           w.data_ptr<float>(), y.data_ptr<float>(), rows, dim, static_cast<float>(eps));
+  } else if (x.scalar_type() == at::kBFloat16) {
+    rms_norm_kernel<c10::BFloat16>(x.data_ptr<c10::BFloat16>(),
+                                   delta ? delta->data_ptr<c10::BFloat16>() : nullptr,
+                                   w.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), rows, dim,
+                                   static_cast<float>(eps));
+  } else {
+    TORCH_CHECK(false, "rms_norm: float32 or bfloat16 only, got ", x.scalar_type());
+  }
+  return y;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  return rms_norm_impl(x, c10::nullopt, w, eps);
+}
+
+// x += delta (in place), then RMSNorm(x).
+at::Tensor add_rms_norm_(at::Tensor x, const at::Tensor& delta, const at::Tensor& w, double eps) {
+  return rms_norm_impl(x, delta, w, eps);
+}
+
+// ---- rotate-half RoPE, in place ----------------------------------------------------------------
+template <typename T>
+void rope_kernel(T* x, int64_t row_stride, const float* cos, const float* sin, int64_t tokens, int64_t heads,
+                 int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, tokens, grain(heads * head_dim), [&](int64_t begin, int64_t end) {
+    std::vector<float> c(head_dim), s(head_dim);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t i = 0; i < head_dim; ++i) {   // the tables, as the model's dtype holds them
+        c[i] = stored<T>(cos[t * head_dim + i]);
+        s[i] = stored<T>(sin[t * head_dim + i]);
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        T* p = x + t * row_stride + h * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = f32(p[i]), b = f32(p[i + half]);
+          // x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); each product rounded.
+          const float lo = stored<T>(a * c[i]) + stored<T>(-b * s[i]);
+          const float hi = stored<T>(b * c[i + half]) + stored<T>(a * s[i + half]);
+          p[i] = T(lo);
+          p[i + half] = T(hi);
+        }
+      }
+    }
+  });
+}
+
+void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t head_dim) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rope_: x must be [tokens, width] with unit column stride");
+  TORCH_CHECK(x.size(1) >= heads * head_dim && head_dim % 2 == 0, "rope_: x narrower than heads * head_dim");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.numel() == x.size(0) * head_dim && sin.numel() == cos.numel(),
+              "rope_: cos/sin must be contiguous float32 [tokens, head_dim]");
+  if (x.scalar_type() == at::kFloat) {
+    rope_kernel<float>(x.data_ptr<float>(), x.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(), x.size(0),
+                       heads, head_dim);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    rope_kernel<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), x.stride(0), cos.data_ptr<float>(),
+                               sin.data_ptr<float>(), x.size(0), heads, head_dim);
+  } else {
+    TORCH_CHECK(false, "rope_: float32 or bfloat16 only, got ", x.scalar_type());
+  }
+}
+
+// ---- SiLU(gate) * up ---------------------------------------------------------------------------
+template <typename T>
+void silu_mul_kernel(const T* gu, T* y, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, grain(inter, 65536), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gu + r * 2 * inter;
+      const T* u = g + inter;
+      T* yr = y + r * inter;
+      for (int64_t i = 0; i < inter; ++i) {
+        const float gv = f32(g[i]);
+        yr[i] = T(stored<T>(gv / (1.f + std::exp(-gv))) * f32(u[i]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_cpu(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.is_contiguous() && gate_up.size(-1) % 2 == 0, "silu_mul: contiguous [..., 2 * inter] only");
+  const int64_t inter = gate_up.size(-1) / 2, rows = gate_up.numel() / std::max<int64_t>(2 * inter, 1);
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = inter;
+  at::Tensor y = at::empty(sizes, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) {
+    silu_mul_kernel<float>(gate_up.data_ptr<float>(), y.data_ptr<float>(), rows, inter);
+  } else if (gate_up.scalar_type() == at::kBFloat16) {
+    silu_mul_kernel<c10::BFloat16>(gate_up.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), rows, inter);
+  } else {
+    TORCH_CHECK(false, "silu_mul: float32 or bfloat16 only, got ", gate_up.scalar_type());
+  }
+  return y;
+}
+
+// ---- decode attention: one query token per row, K/V of each row contiguous -----------------------
+// q [n, H, D] float32; k, v [n, KVH, >=L, D] (unit stride in D; rows, heads and positions may be
+// strided, e.g. views into the decode mirror); lens [n] int64: row b attends keys [0, lens[b]).
+// Each (row, KV head) task streams its keys and values once for all H / KVH queries that share them.
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// e^x for x <= 0 (scores minus their max): 2^n * p(r), |r| <= ln2/2, degree-6 Taylor (~2e-7 rel).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// scores[j] = scale * q . k_j for the G queries of one KV head (G rows of `scores`, stride len).
+template <typename KV>
+void attention_scores(const float* q, const KV* k, int64_t k_stride, int64_t len, int64_t G, int64_t D,
+                      float scale, float* scores) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0 && G <= 8) {
+    // Four keys at a time: 4 * G independent accumulators keep the FMA units busy.
+    int64_t j = 0;
+    for (; j + 4 <= len; j += 4) {
+      const KV* k0 = k + j * k_stride;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * D;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t d = 0; d < D; d += 16) {
+          const __m512 qd = _mm512_loadu_ps(qg + d);
+          a0 = _mm512_fmadd_ps(qd, load16(k0 + d), a0);
+          a1 = _mm512_fmadd_ps(qd, load16(k0 + k_stride + d), a1);
+          a2 = _mm512_fmadd_ps(qd, load16(k0 + 2 * k_stride + d), a2);
+          a3 = _mm512_fmadd_ps(qd, load16(k0 + 3 * k_stride + d), a3);
+        }
+        float* sg = scores + g * len + j;
+        sg[0] = _mm512_reduce_add_ps(a0) * scale;
+        sg[1] = _mm512_reduce_add_ps(a1) * scale;
+        sg[2] = _mm512_reduce_add_ps(a2) * scale;
+        sg[3] = _mm512_reduce_add_ps(a3) * scale;
+      }
+    }
+    for (; j < len; ++j) {
+      const KV* kj = k + j * k_stride;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * D;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), load16(kj + d), acc);
+        scores[g * len + j] = _mm512_reduce_add_ps(acc) * scale;
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < len; ++j) {
+    const KV* kj = k + j * k_stride;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      float dot = 0.f;
+      for (int64_t d = 0; d < D; ++d) dot += qg[d] * f32(kj[d]);
+      scores[g * len + j] = dot * scale;
+    }
+  }
+}
+
+// In place: s[0, len) -> softmax(s).
+inline void softmax_inplace(float* s, int64_t len) {
+  const float mx = *std::max_element(s, s + len);
+  float sum = 0.f;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  __m512 vsum = _mm512_setzero_ps();
+  for (; j + 16 <= len; j += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(mx)));
+    _mm512_storeu_ps(s + j, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  sum = _mm512_reduce_add_ps(vsum);
+#endif
+  for (; j < len; ++j) {
+    s[j] = std::exp(s[j] - mx);
+    sum += s[j];
+  }
+  const float inv = 1.f / sum;
+  for (j = 0; j < len; ++j) s[j] *= inv;
+}
+
+// acc[g] = sum_j p[g][j] * v_j for the G queries.
+template <typename KV>
+void attention_values(const float* p, const KV* v, int64_t v_stride, int64_t len, int64_t G, int64_t D, float* acc) {
+  std::fill(acc, acc + G * D, 0.f);
+#if defined(__AVX512F__)
+  if (D % 16 == 0 && G * D <= 512) {   // all G queries' accumulators in registers; v_j read once
+    __m512 a[32];
+    const int64_t chunks = D / 16;
+    for (int64_t i = 0; i < G * chunks; ++i) a[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; ++j) {
+      const KV* vj = v + j * v_stride;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __m512 vc = load16(vj + 16 * c);
+        for (int64_t g = 0; g < G; ++g) a[g * chunks + c] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * len + j]), vc, a[g * chunks + c]);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, a[g * chunks + c]);
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < len; ++j) {
+    const KV* vj = v + j * v_stride;
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = p[g * len + j];
+      float* a = acc + g * D;
+      for (int64_t d = 0; d < D; ++d) a[d] += w * f32(vj[d]);
+    }
+  }
+}
+
+template <typename KV>
+void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* lens,
+                             float scale, at::Tensor& out) {
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
+  const int64_t G = H / KVH;
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const KV* kp = k.data_ptr<KV>();
+  const KV* vp = v.data_ptr<KV>();
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < n; ++b) max_len = std::max(max_len, lens[b]);
+  const int64_t per_task = std::max<int64_t>(1, 2 * G * max_len * D);
+  at::parallel_for(0, n * KVH, grain(per_task, 1 << 17), [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(G * std::max<int64_t>(max_len, 1));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / KVH, kvh = task % KVH, len = lens[b];
+      const float* qb = qp + (b * H + kvh * G) * D;       // the G queries of this KV head
+      float* ob = op + (b * H + kvh * G) * D;
+      if (len <= 0) {
+        std::fill(ob, ob + G * D, 0.f);
+        continue;
+      }
+      attention_scores(qb, kp + b * k.stride(0) + kvh * k.stride(1), k.stride(2), len, G, D, scale, scores.data());
+      for (int64_t g = 0; g < G; ++g) softmax_inplace(scores.data() + g * len, len);
+      attention_values(scores.data(), vp + b * v.stride(0) + kvh * v.stride(1), v.stride(2), len, G, D, ob);
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lens,
+                            double scale) {
+  check_cpu(q, "q");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat,
+              "decode_attention: q must be contiguous float32 [n, heads, head_dim]");
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(),
+              "decode_attention: k and v must be [n, kv_heads, length, head_dim] alike");
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == q.size(2) && q.size(1) % k.size(1) == 0,
+              "decode_attention: q and k/v shapes disagree");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: head_dim must have unit stride");
+  TORCH_CHECK(lens.scalar_type() == at::kLong && lens.is_contiguous() && lens.numel() == q.size(0),
+              "decode_attention: lens must be int64 [n]");
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    TORCH_CHECK(lp[b] <= k.size(2), "decode_attention: a row's length exceeds its keys");
+  }
+  at::Tensor out = at::empty_like(q);
+  if (k.scalar_type() == at::kFloat) {
+    decode_attention_kernel<float>(q, k, v, lp, static_cast<float>(scale), out);
+  } else if (k.scalar_type() == at::kBFloat16) {
+    decode_attention_kernel<c10::BFloat16>(q, k, v, lp, static_cast<float>(scale), out);
+  } else {
+    TORCH_CHECK(false, "decode_attention: float32 or bfloat16 K/V only, got ", k.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(plait_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor w, float eps) -> Tensor");
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(plait_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("rope_", &rope_);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("decode_attention", &decode_attention);
+}

@@ -1,0 +1,139 @@
+"""The fused CPU kernels (runtime/csrc/cpu_kernels.cpp) against the eager PyTorch ops they replace:
+bfloat16 bit for bit where nothing is summed (HF's rounding at every step), float32 and the
+norms to summation-order noise, decode
+attention against SDPA over padded rows and strided views, for the vectorized (head_dim 64) and
+the plain (head_dim 8) paths, serial and split across threads."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from plait.runtime import cpu_kernels
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    # CI builds them (make setup): a machine that cannot is a failure here, not a silent fallback.
+    assert cpu_kernels.load(), "the fused CPU kernels did not build"
+
+
+def eager(fn, *args):
+    """`fn` through its eager PyTorch fallback."""
+    saved = cpu_kernels._state["ok"]
+    cpu_kernels._state["ok"] = False
+    try:
+        return fn(*args)
+    finally:
+        cpu_kernels._state["ok"] = saved
+
+
+def assert_same(got: torch.Tensor, ref: torch.Tensor, reduced: bool = False) -> None:
+    """bfloat16: equal; after a reduction (`reduced`), whose float32 sum runs in another order,
+    a value may sit a bfloat16 step or two away (the step, then the weight), rarely. float32:
+    summation-order noise."""
+    if got.dtype != torch.bfloat16:
+        torch.testing.assert_close(got, ref, rtol=2e-6, atol=2e-6)
+    elif not reduced:
+        assert torch.equal(got, ref), f"{(got != ref).sum().item()} of {got.numel()} bfloat16 values differ"
+    else:
+        off = got != ref
+        assert off.float().mean() < 1e-3, f"{off.sum().item()} of {got.numel()} bfloat16 values differ"
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -6, atol=0)   # <= 2 steps
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 300])   # 300: split across threads
+def test_rms_norm_and_residual_add(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = (3 * torch.randn(rows, 576, generator=g)).to(dtype)
+    delta = torch.randn(rows, 576, generator=g).to(dtype)
+    w = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    assert_same(cpu_kernels.rms_norm(x, w, 1e-5), eager(cpu_kernels.rms_norm, x, w, 1e-5), reduced=True)
+    x_kernel, x_eager = x.clone(), x.clone()
+    y = cpu_kernels.add_rms_norm_(x_kernel, delta, w, 1e-5)
+    assert_same(y, eager(cpu_kernels.add_rms_norm_, x_eager, delta, w, 1e-5), reduced=True)
+    assert torch.equal(x_kernel, x_eager) and torch.equal(x_kernel, x + delta)   # the residual, in place
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 200])
+def test_rope_in_place_on_q_and_k_only(dtype, tokens):
+    g = torch.Generator().manual_seed(tokens)
+    heads, kv_heads, d = 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    pos = torch.randint(0, 4096, (tokens,), generator=g).float()
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    emb = torch.cat([pos[:, None] * inv] * 2, dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    got, ref = qkv.clone(), qkv.clone()
+    cpu_kernels.rope_(got, cos, sin, heads + kv_heads, d)
+    eager(cpu_kernels.rope_, ref, cos, sin, heads + kv_heads, d)
+    assert_same(got, ref)
+    assert torch.equal(got[:, (heads + kv_heads) * d:], qkv[:, (heads + kv_heads) * d:])   # v untouched
+    assert not torch.equal(got[:, :d], qkv[:, :d])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    gate_up = torch.randn(2, 5, 2 * 1536, generator=torch.Generator().manual_seed(0)).to(dtype)
+    got = cpu_kernels.silu_mul(gate_up)
+    assert got.shape == (2, 5, 1536)
+    assert_same(got, eager(cpu_kernels.silu_mul, gate_up))
+
+
+def sdpa_reference(q, k, v, lens, scale):
+    """Per row: plain SDPA over its first lens[b] keys, KV heads repeated (no GQA folding)."""
+    out = []
+    groups = q.shape[1] // k.shape[1]
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        keys = k[b, :, :n].float().repeat_interleave(groups, 0)
+        values = v[b, :, :n].float().repeat_interleave(groups, 0)
+        out.append(F.scaled_dot_product_attention(q[b][:, None], keys, values, scale=scale)[:, 0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 8])          # the AVX-512 path and the plain one
+@pytest.mark.parametrize("rows,length", [(1, 37), (3, 300), (8, 1000)])
+def test_decode_attention_matches_sdpa(kv_dtype, head_dim, rows, length):
+    g = torch.Generator().manual_seed(rows * length + head_dim)
+    heads, kv_heads = 9, 3
+    # Views into larger buffers, as the decode mirror hands them over: strided rows and positions.
+    big_k = torch.randn(rows + 2, kv_heads, length + 50, head_dim, generator=g).to(kv_dtype)
+    big_v = torch.randn(rows + 2, kv_heads, length + 50, head_dim, generator=g).to(kv_dtype)
+    k, v = big_k[:rows, :, :length], big_v[:rows, :, :length]
+    q = torch.randn(rows, heads, head_dim, generator=g)
+    lens = torch.randint(1, length + 1, (rows,), generator=g)
+    lens[0] = length
+    scale = head_dim ** -0.5
+    got = cpu_kernels.decode_attention(q, k, v, lens, scale)
+    torch.testing.assert_close(got, sdpa_reference(q, k, v, lens, scale), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(eager(cpu_kernels.decode_attention, q, k, v, lens, scale),
+                               sdpa_reference(q, k, v, lens, scale), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_rejects_bad_lengths():
+    q, k = torch.randn(1, 9, 64), torch.randn(1, 3, 10, 64)
+    with pytest.raises(RuntimeError, match="exceeds its keys"):
+        cpu_kernels.decode_attention(q, k, k, torch.tensor([11]), 0.125)
+
+
+def test_non_contiguous_and_other_devices_fall_back():
+    x = torch.randn(4, 2 * 576)[:, ::2]          # a strided view: the eager op takes it
+    w = torch.rand(576)
+    torch.testing.assert_close(cpu_kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5))
+    assert not cpu_kernels.enabled(torch.randn(2, dtype=torch.float16))
+    assert not cpu_kernels.enabled(torch.randn(2, device="meta"))
+
+
+def test_disabled_by_environment():
+    code = "from plait.runtime import cpu_kernels as c; import sys; sys.exit(0 if c.load() is False else 1)"
+    env = dict(os.environ, PLAIT_CPU_KERNELS="0")
+    assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 0
