@@ -1,5 +1,5 @@
-"""Fused CPU kernels for the decoder's small ops: RMSNorm (with the residual add), RoPE, SiLU-mul
-and decode attention, each one op instead of 5-50 (`csrc/cpu_kernels.cpp`).
+"""Fused CPU kernels for the decoder's small ops: RMSNorm (with the residual add), RoPE and decode
+attention, each one op instead of 6-10 aten ops (`csrc/cpu_kernels.cpp`).
 
 At decode batch sizes these ops touch a few KB each, so in eager PyTorch their cost is dispatch
 and OpenMP wake-ups: on SmolLM2 they were about half of a batch-1 step. The C++ source is compiled
@@ -97,14 +97,6 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, hea
     half = head_dim // 2
     rotated = torch.cat((-part[..., half:], part[..., :half]), dim=-1)
     part.copy_(part * c + rotated * s)
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """`silu(gate) * up` for `gate_up = [gate | up]` along the last dim."""
-    if enabled(gate_up) and gate_up.is_contiguous():
-        return torch.ops.plait_cpu.silu_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,

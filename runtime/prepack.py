@@ -14,8 +14,6 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-_GEMV_ROWS = 1     # up to this many rows, float32 goes through the two-core batched GEMV
-
 
 def prepack_available() -> bool:
     """True when this torch build has oneDNN and its prepacked linear ops."""
@@ -42,16 +40,17 @@ class PackedLinear(nn.Module):
             self.halves = weight.detach().contiguous().view(2, self.out_features // 2, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if self.halves is not None and x2.shape[0] <= _GEMV_ROWS:
-            y = torch.bmm(self.halves, x2.t().unsqueeze(0).expand(2, -1, -1))     # [2, N/2, M]
-            y = y.permute(2, 0, 1).reshape(x2.shape[0], self.out_features)
+        flat = x.dim() == 2   # the model's case: no reshapes (at batch 1 every op here costs)
+        x2 = x if flat else x.reshape(-1, x.shape[-1])
+        if self.halves is not None and x2.shape[0] == 1 and x2.is_contiguous():
+            # [2, N/2, K] @ [2, K, 1] -> [2, N/2, 1], which is the [1, N] row as it lies
+            # (x as [K, 1] with strides (1, K): the layout bmm's fast path takes)
+            y = torch.bmm(self.halves, x2.t().unsqueeze(0).expand(2, -1, -1)).view(1, self.out_features)
             if self.bias is not None:
                 y = y + self.bias
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
-        return y.reshape(*shape[:-1], self.out_features)
+        return y if flat else y.reshape(*x.shape[:-1], self.out_features)
 
 
 def prepack_linears(model: nn.Module) -> int:

@@ -79,14 +79,6 @@ def test_rope_in_place_on_q_and_k_only(dtype, tokens):
     assert not torch.equal(got[:, :d], qkv[:, :d])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul(dtype):
-    gate_up = torch.randn(2, 5, 2 * 1536, generator=torch.Generator().manual_seed(0)).to(dtype)
-    got = cpu_kernels.silu_mul(gate_up)
-    assert got.shape == (2, 5, 1536)
-    assert_same(got, eager(cpu_kernels.silu_mul, gate_up))
-
-
 def sdpa_reference(q, k, v, lens, scale):
     """Per row: plain SDPA over its first lens[b] keys, KV heads repeated (no GQA folding)."""
     out = []

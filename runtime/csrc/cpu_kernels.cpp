@@ -6,7 +6,7 @@
 // (no OpenMP region to wake); large work (prefill, big batches) is split with at::parallel_for.
 //
 // bfloat16 follows Hugging Face transformers' rounding step by step (each intermediate the
-// eager model rounds to bfloat16 is rounded here too), so RoPE and SiLU-mul equal the eager ops
+// eager model rounds to bfloat16 is rounded here too), so RoPE equals the eager op
 // bit for bit; sums (the norm's mean of squares, attention) run in another order than PyTorch's,
 // which moves float32 results by rounding noise and, rarely, a bfloat16 norm output by one step.
 // Built with -ffp-contract=off so that a*b + c is never fused into one rounding.
@@ -37,6 +37,48 @@ int64_t grain(int64_t per_row, int64_t work = 32768) {
   return std::max<int64_t>(1, work / std::max<int64_t>(1, per_row));
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// float32 -> bfloat16 bits, round to nearest even, NaN -> 0x7FC0: what c10::BFloat16(float) does.
+inline __m256i to_bf16_bits(__m512 f) {
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC00000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_bits(v));
+}
+// The value a T stores for v, as float32.
+inline __m512 stored16(float*, __m512 v) { return v; }
+inline __m512 stored16(c10::BFloat16*, __m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(v)), 16));
+}
+// e^x for x <= 0 (scores minus their max): 2^n * p(r), |r| <= ln2/2, degree-6 Taylor (~2e-7 rel).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
 // ---- RMSNorm, optionally after a residual add --------------------------------------------------
 template <typename T>
 void rms_norm_kernel(T* x, const T* delta, const T* w, T* y, int64_t rows, int64_t dim, float eps) {
@@ -44,6 +86,28 @@ void rms_norm_kernel(T* x, const T* delta, const T* w, T* y, int64_t rows, int64
     for (int64_t r = begin; r < end; ++r) {
       T* xr = x + r * dim;
       T* yr = y + r * dim;
+#if defined(__AVX512F__)
+      if (dim % 16 == 0) {
+        __m512 acc = _mm512_setzero_ps();
+        if (delta != nullptr) {
+          const T* dr = delta + r * dim;
+          for (int64_t i = 0; i < dim; i += 16) {
+            const __m512 v = stored16(xr, _mm512_add_ps(load16(xr + i), load16(dr + i)));
+            store16(xr + i, v);
+            acc = _mm512_fmadd_ps(v, v, acc);
+          }
+        } else {
+          for (int64_t i = 0; i < dim; i += 16) {
+            const __m512 v = load16(xr + i);
+            acc = _mm512_fmadd_ps(v, v, acc);
+          }
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(dim) + eps));
+        for (int64_t i = 0; i < dim; i += 16)
+          store16(yr + i, _mm512_mul_ps(stored16(yr, _mm512_mul_ps(load16(xr + i), inv)), load16(w + i)));
+        continue;
+      }
+#endif
       float ss = 0.f;
       if (delta != nullptr) {   // the residual stream: x += delta, rounded as the model rounds it
         const T* dr = delta + r * dim;
@@ -145,68 +209,11 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t h
   }
 }
 
-// ---- SiLU(gate) * up ---------------------------------------------------------------------------
-template <typename T>
-void silu_mul_kernel(const T* gu, T* y, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, grain(inter, 65536), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* g = gu + r * 2 * inter;
-      const T* u = g + inter;
-      T* yr = y + r * inter;
-      for (int64_t i = 0; i < inter; ++i) {
-        const float gv = f32(g[i]);
-        yr[i] = T(stored<T>(gv / (1.f + std::exp(-gv))) * f32(u[i]));
-      }
-    }
-  });
-}
-
-at::Tensor silu_mul(const at::Tensor& gate_up) {
-  check_cpu(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.is_contiguous() && gate_up.size(-1) % 2 == 0, "silu_mul: contiguous [..., 2 * inter] only");
-  const int64_t inter = gate_up.size(-1) / 2, rows = gate_up.numel() / std::max<int64_t>(2 * inter, 1);
-  auto sizes = gate_up.sizes().vec();
-  sizes.back() = inter;
-  at::Tensor y = at::empty(sizes, gate_up.options());
-  if (gate_up.scalar_type() == at::kFloat) {
-    silu_mul_kernel<float>(gate_up.data_ptr<float>(), y.data_ptr<float>(), rows, inter);
-  } else if (gate_up.scalar_type() == at::kBFloat16) {
-    silu_mul_kernel<c10::BFloat16>(gate_up.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), rows, inter);
-  } else {
-    TORCH_CHECK(false, "silu_mul: float32 or bfloat16 only, got ", gate_up.scalar_type());
-  }
-  return y;
-}
-
 // ---- decode attention: one query token per row, K/V of each row contiguous -----------------------
 // q [n, H, D] float32; k, v [n, KVH, >=L, D] (unit stride in D; rows, heads and positions may be
 // strided, e.g. views into the decode mirror); lens [n] int64: row b attends keys [0, lens[b]).
 // Each (row, KV head) task streams its keys and values once for all H / KVH queries that share them.
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-// e^x for x <= 0 (scores minus their max): 2^n * p(r), |r| <= ln2/2, degree-6 Taylor (~2e-7 rel).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
 
 // scores[j] = scale * q . k_j for the G queries of one KV head (G rows of `scores`, stride len).
 template <typename KV>
@@ -373,7 +380,6 @@ TORCH_LIBRARY(plait_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor w, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
-  m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lens, float scale) -> Tensor");
 }
 
@@ -381,6 +387,5 @@ TORCH_LIBRARY_IMPL(plait_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("rope_", &rope_);
-  m.impl("silu_mul", &silu_mul);
   m.impl("decode_attention", &decode_attention);
 }

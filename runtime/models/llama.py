@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import cpu_kernels
@@ -116,8 +117,8 @@ class MLP(nn.Module):
         self.intermediate = self.gate_up_proj.output_sizes[0]   # this rank's share
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # [gate | up] are this rank's equal shares, so silu_mul's halves are gate and up
-        return self.down_proj(cpu_kernels.silu_mul(self.gate_up_proj(x)))
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
