@@ -48,6 +48,9 @@ class TorchNativeAttention(AttentionBackend):
     def forward(self, q, k, v, layer_id, batch, scale):
         if layer_id == 0 or batch is not self._batch:
             self._begin(batch)
+        return self._forward(q, k, v, layer_id, batch, scale)
+
+    def _forward(self, q, k, v, layer_id, batch, scale):
         k, v = k.to(self.kv_dtype), v.to(self.kv_dtype)
         self.pool.write(layer_id, batch.out_cache_loc, k, v)
         outs = [self._attend_group(i, g, q, k, v, layer_id, scale) for i, g in enumerate(batch.groups)]
@@ -108,12 +111,27 @@ class MirroredAttention(TorchNativeAttention):
             mirror_budget_bytes = default_mirror_budget(pool)
         self.mirror = DecodeMirror(pool, mirror_budget_bytes)
         self._plan: MirrorPlan | None = None
+        self._fused = False
 
     def _begin(self, batch: ForwardBatch) -> None:
         super()._begin(batch)
         self.mirror.begin_step(batch.out_cache_loc)
         last = batch.groups[-1] if batch.groups else None
-        self._plan = self.mirror.plan(last) if last is not None and last.decode else None
+        plan = self._plan = self.mirror.plan(last) if last is not None and last.decode else None
+        # The steady decode step (only decode rows, each appending one token to its mirror row, in
+        # batch order): K/V writes and attention in two fused ops per layer.
+        self._fused = (plan is not None and len(batch.groups) == 1 and plan.max_q == 1 and plan.order is None
+                       and plan.keep_tok is None and plan.fill_idx is None and cpu_kernels.enabled(self.pool.k[0]))
+
+    def _forward(self, q, k, v, layer_id, batch, scale):
+        if not (self._fused and cpu_kernels.enabled(k)):
+            return super()._forward(q, k, v, layer_id, batch, scale)
+        plan, mk, mv = self._plan, self.mirror.k[layer_id], self.mirror.v[layer_id]
+        cpu_kernels.kv_write_(self.pool.k[layer_id], self.pool.v[layer_id], batch.out_cache_loc, k, v,
+                              mk, mv, plan.keep_at)
+        n, length = plan.n, plan.length
+        return cpu_kernels.decode_attention(q, mk[:n, :, :length], mv[:n, :, :length], self.mirror.lens[:n],
+                                            scale).view(n, -1)
 
     def _attend_group(self, i, g, q, k, v, layer_id, scale):
         if self._plan is None or i != len(self._batch.groups) - 1:

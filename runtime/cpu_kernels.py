@@ -109,14 +109,33 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, hea
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """One query token per row: q float32 `[n, H, D]`, k/v `[n, KVH, >=L, D]` (views allowed), row
-    b attending to its first `lens[b]` keys. Returns `[n, H, D]` float32."""
-    if enabled(k) and q.dtype == torch.float32:
-        return torch.ops.plait_cpu.decode_attention(q.contiguous(), k, v, lens, scale)
+    """One query token per row: q `[n, H, D]` (float32 or bfloat16, any strides), k/v
+    `[n, KVH, >=L, D]` (views allowed), row b attending to its first `lens[b]` keys. Computed in
+    float32; returns `[n, H, D]` in q's dtype."""
+    if enabled(k) and enabled(q):
+        return torch.ops.plait_cpu.decode_attention(q, k, v, lens, scale)
     n, heads, dim = q.shape
     length = int(lens.max()) if lens.numel() else 0
-    keys, values = k[:, :, :length].to(q.dtype), v[:, :, :length].to(q.dtype)
-    mask = torch.zeros((n, 1, 1, length), dtype=q.dtype)
+    keys, values = k[:, :, :length].float(), v[:, :, :length].float()
+    mask = torch.zeros((n, 1, 1, length))
     mask.masked_fill_(torch.arange(length)[None, None, None, :] >= lens[:, None, None, None], float("-inf"))
-    q4 = q.view(n, k.shape[1], heads // k.shape[1], dim)   # GQA: a KV head's queries as its query length
-    return F.scaled_dot_product_attention(q4, keys, values, attn_mask=mask, scale=scale).view(n, heads, dim)
+    q4 = q.float().reshape(n, k.shape[1], heads // k.shape[1], dim)   # GQA: a KV head's queries as its query length
+    out = F.scaled_dot_product_attention(q4, keys, values, attn_mask=mask, scale=scale)
+    return out.view(n, heads, dim).to(q.dtype)
+
+
+def kv_write_(pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mirror_k: torch.Tensor | None = None, mirror_v: torch.Tensor | None = None,
+              mirror_at: torch.Tensor | None = None) -> None:
+    """Write this step's k/v `[T, KVH, D]` into pool slots `slots` (cast to the pool's dtype) and,
+    with `mirror_at`, also into the contiguous mirror buffers viewed as rows of D: token t's head h
+    to row `mirror_at[t * KVH + h]`. One op instead of six."""
+    if enabled(k) and enabled(pool_k):
+        torch.ops.plait_cpu.kv_write_(pool_k, pool_v, slots, k, v, mirror_k, mirror_v, mirror_at)
+        return
+    pool_k.index_copy_(0, slots, k.to(pool_k.dtype))
+    pool_v.index_copy_(0, slots, v.to(pool_v.dtype))
+    if mirror_at is not None:
+        dim = k.shape[-1]
+        mirror_k.view(-1, dim).index_copy_(0, mirror_at, k.to(mirror_k.dtype).reshape(-1, dim))
+        mirror_v.view(-1, dim).index_copy_(0, mirror_at, v.to(mirror_v.dtype).reshape(-1, dim))

@@ -129,3 +129,47 @@ def test_disabled_by_environment():
     code = "from plait.runtime import cpu_kernels as c; import sys; sys.exit(0 if c.load() is False else 1)"
     env = dict(os.environ, PLAIT_CPU_KERNELS="0")
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 0
+
+
+@pytest.mark.parametrize("q_dtype", DTYPES)
+def test_decode_attention_takes_strided_queries_and_keeps_their_dtype(q_dtype):
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(4, 15 * 64, generator=g).to(q_dtype)       # q is the first 9 heads of each row
+    q = qkv[:, :9 * 64].view(4, 9, 64)
+    k, v = torch.randn(4, 3, 40, 64, generator=g), torch.randn(4, 3, 40, 64, generator=g)
+    lens = torch.tensor([40, 3, 17, 1])
+    got = cpu_kernels.decode_attention(q, k, v, lens, 0.125)
+    assert got.dtype == q_dtype and got.shape == (4, 9, 64)
+    ref = sdpa_reference(q.float(), k, v, lens, 0.125).to(q_dtype)
+    torch.testing.assert_close(got, ref, rtol=1e-5 if q_dtype == torch.float32 else 1e-2, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_dtype", DTYPES)
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+@pytest.mark.parametrize("mirror", [True, False])
+def test_kv_write_matches_index_copy(model_dtype, kv_dtype, mirror):
+    g = torch.Generator().manual_seed(2)
+    tokens, heads, d = 5, 3, 64
+    qkv = torch.randn(tokens, 15 * d, generator=g).to(model_dtype)   # k, v as views, like the model's
+    k, v = qkv[:, 9 * d:12 * d].view(tokens, heads, d), qkv[:, 12 * d:].view(tokens, heads, d)
+    slots = torch.tensor([7, 0, 99, 3, 42])
+    at = torch.randperm(6 * heads * 16, generator=g)[:tokens * heads] if mirror else None
+    outs = []
+    for fn in (cpu_kernels.kv_write_, lambda *a: eager(cpu_kernels.kv_write_, *a)):
+        pool_k, pool_v = torch.zeros(100, heads, d, dtype=kv_dtype), torch.zeros(100, heads, d, dtype=kv_dtype)
+        mk, mv = (torch.zeros(6, heads, 16, d, dtype=kv_dtype) for _ in range(2))
+        fn(pool_k, pool_v, slots, k, v, mk if mirror else None, mv if mirror else None, at)
+        outs.append((pool_k, pool_v, mk, mv))
+    for got, ref in zip(*outs):
+        assert torch.equal(got, ref)
+    pool_k, _, mk, _ = outs[0]
+    assert torch.equal(pool_k[slots], k.to(kv_dtype))
+    if mirror:
+        assert torch.equal(mk.view(-1, d)[at], k.to(kv_dtype).reshape(-1, d))
+
+
+def test_kv_write_rejects_out_of_range_slots():
+    pool = torch.zeros(4, 3, 64)
+    k = torch.randn(1, 3, 64)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_kernels.kv_write_(pool, pool.clone(), torch.tensor([4]), k, k)

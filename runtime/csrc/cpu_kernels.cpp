@@ -350,8 +350,8 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at:
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lens,
                             double scale) {
   check_cpu(q, "q");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat,
-              "decode_attention: q must be contiguous float32 [n, heads, head_dim]");
+  TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "decode_attention: q must be float32 or bfloat16 [n, heads, head_dim]");
   TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(),
               "decode_attention: k and v must be [n, kv_heads, length, head_dim] alike");
   TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == q.size(2) && q.size(1) % k.size(1) == 0,
@@ -363,15 +363,81 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   for (int64_t b = 0; b < q.size(0); ++b) {
     TORCH_CHECK(lp[b] <= k.size(2), "decode_attention: a row's length exceeds its keys");
   }
-  at::Tensor out = at::empty_like(q);
+  const at::Tensor qf = q.to(at::kFloat).contiguous();   // no-ops for the usual float32 query
+  at::Tensor out = at::empty_like(qf);
   if (k.scalar_type() == at::kFloat) {
-    decode_attention_kernel<float>(q, k, v, lp, static_cast<float>(scale), out);
+    decode_attention_kernel<float>(qf, k, v, lp, static_cast<float>(scale), out);
   } else if (k.scalar_type() == at::kBFloat16) {
-    decode_attention_kernel<c10::BFloat16>(q, k, v, lp, static_cast<float>(scale), out);
+    decode_attention_kernel<c10::BFloat16>(qf, k, v, lp, static_cast<float>(scale), out);
   } else {
     TORCH_CHECK(false, "decode_attention: float32 or bfloat16 K/V only, got ", k.scalar_type());
   }
-  return out;
+  return out.to(q.scalar_type());   // the output in the query's dtype
+}
+
+// ---- this step's K/V into the pool and, optionally, the decode mirror ----------------------------
+// k, v [T, KVH, D] (unit stride in D; e.g. views into the qkv projection), in the model's dtype;
+// pool_k/v [slots, KVH, D] contiguous, in the KV dtype: token t goes to slot slots[t]. The mirror
+// (contiguous, any shape, viewed as rows of D) takes token t's head h at row mirror_at[t * KVH + h].
+template <typename S, typename T>
+void kv_write_kernel(const at::Tensor& k, const at::Tensor& v, T* pool_k, T* pool_v, const int64_t* slots,
+                     T* mirror_k, T* mirror_v, const int64_t* mirror_at) {
+  const int64_t tokens = k.size(0), heads = k.size(1), D = k.size(2);
+  const S* kp = k.data_ptr<S>();
+  const S* vp = v.data_ptr<S>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const S* ks = kp + t * k.stride(0) + h * k.stride(1);
+      const S* vs = vp + t * v.stride(0) + h * v.stride(1);
+      T* pk = pool_k + (slots[t] * heads + h) * D;
+      T* pv = pool_v + (slots[t] * heads + h) * D;
+      for (int64_t i = 0; i < D; ++i) {
+        pk[i] = T(f32(ks[i]));
+        pv[i] = T(f32(vs[i]));
+      }
+      if (mirror_at != nullptr) {
+        std::copy(pk, pk + D, mirror_k + mirror_at[t * heads + h] * D);
+        std::copy(pv, pv + D, mirror_v + mirror_at[t * heads + h] * D);
+      }
+    }
+  }
+}
+
+void kv_write_(at::Tensor pool_k, at::Tensor pool_v, const at::Tensor& slots, const at::Tensor& k, const at::Tensor& v,
+               const c10::optional<at::Tensor>& mirror_k, const c10::optional<at::Tensor>& mirror_v,
+               const c10::optional<at::Tensor>& mirror_at) {
+  check_cpu(pool_k, "pool_k");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type() && k.stride(2) == 1 &&
+                  v.stride(2) == 1, "kv_write_: k and v must be [tokens, kv_heads, head_dim] alike, unit stride in head_dim");
+  TORCH_CHECK(pool_k.is_contiguous() && pool_v.is_contiguous() && pool_k.sizes() == pool_v.sizes() &&
+                  pool_k.dim() == 3 && pool_k.size(1) == k.size(1) && pool_k.size(2) == k.size(2) &&
+                  pool_k.scalar_type() == pool_v.scalar_type(), "kv_write_: pools must be contiguous [slots, kv_heads, head_dim]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0),
+              "kv_write_: slots must be int64 [tokens]");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < k.size(0); ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < pool_k.size(0), "kv_write_: slot out of range");
+  const int64_t* ap = nullptr;
+  if (mirror_at) {
+    TORCH_CHECK(mirror_k && mirror_v && mirror_k->is_contiguous() && mirror_v->is_contiguous() &&
+                    mirror_k->scalar_type() == pool_k.scalar_type() && mirror_v->scalar_type() == pool_k.scalar_type() &&
+                    mirror_at->scalar_type() == at::kLong && mirror_at->is_contiguous() &&
+                    mirror_at->numel() == k.size(0) * k.size(1),
+                "kv_write_: the mirror must be contiguous in the pool's dtype, mirror_at int64 [tokens * kv_heads]");
+    ap = mirror_at->data_ptr<int64_t>();
+    const int64_t rows = std::min(mirror_k->numel(), mirror_v->numel()) / k.size(2);
+    for (int64_t i = 0; i < mirror_at->numel(); ++i) TORCH_CHECK(ap[i] >= 0 && ap[i] < rows, "kv_write_: mirror row out of range");
+  }
+  const bool src_f32 = k.scalar_type() == at::kFloat, dst_f32 = pool_k.scalar_type() == at::kFloat;
+  TORCH_CHECK((src_f32 || k.scalar_type() == at::kBFloat16) && (dst_f32 || pool_k.scalar_type() == at::kBFloat16),
+              "kv_write_: float32 or bfloat16 only");
+#define PLAIT_KV_WRITE(S, T)                                                                                         \
+  kv_write_kernel<S, T>(k, v, pool_k.data_ptr<T>(), pool_v.data_ptr<T>(), sp, ap ? mirror_k->data_ptr<T>() : nullptr, \
+                        ap ? mirror_v->data_ptr<T>() : nullptr, ap)
+  if (src_f32 && dst_f32) PLAIT_KV_WRITE(float, float);
+  else if (src_f32) PLAIT_KV_WRITE(float, c10::BFloat16);
+  else if (dst_f32) PLAIT_KV_WRITE(c10::BFloat16, float);
+  else PLAIT_KV_WRITE(c10::BFloat16, c10::BFloat16);
+#undef PLAIT_KV_WRITE
 }
 
 }  // namespace
@@ -381,6 +447,8 @@ TORCH_LIBRARY(plait_cpu, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor w, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lens, float scale) -> Tensor");
+  m.def("kv_write_(Tensor(a!) pool_k, Tensor(b!) pool_v, Tensor slots, Tensor k, Tensor v, Tensor(c!)? mirror_k, "
+        "Tensor(d!)? mirror_v, Tensor? mirror_at) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(plait_cpu, CPU, m) {
@@ -388,4 +456,5 @@ TORCH_LIBRARY_IMPL(plait_cpu, CPU, m) {
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("rope_", &rope_);
   m.impl("decode_attention", &decode_attention);
+  m.impl("kv_write_", &kv_write_);
 }
