@@ -145,6 +145,9 @@ class Int8Linear(_WeightOnlyLinear):
         return (self.qweight.float() * self.scale[:, None]).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.kernel == "int8pack" and x.dim() == 2 and x.shape[0] < _INT8PACK_MAX_ROWS
+                and x.dtype == torch.bfloat16 and self.bias is None and x.is_contiguous()):
+            return torch._weight_int8pack_mm(x, self.qweight, self.scale_bf16)   # decode's case, one op
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.kernel == "int8pack" and x2.shape[0] < _INT8PACK_MAX_ROWS:
@@ -253,6 +256,11 @@ class Int4Linear(_WeightOnlyLinear):
         return (q * sz[..., :1] + sz[..., 1:]).reshape(n, k).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.packed_int4 is not None and x.dim() == 2 and x.shape[0] < _INT4PACK_MAX_ROWS
+                and x.dtype == torch.bfloat16 and self.bias is None and x.is_contiguous()):
+            # the decode step's common case in one op (every op here is a cost at batch 1)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed_int4, self.group_size,
+                                                              self.scales_and_zeros)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.packed_int4 is not None and x2.shape[0] < _INT4PACK_MAX_ROWS:
