@@ -139,3 +139,9 @@ def kv_write_(pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor, k
         dim = k.shape[-1]
         mirror_k.view(-1, dim).index_copy_(0, mirror_at, k.to(mirror_k.dtype).reshape(-1, dim))
         mirror_v.view(-1, dim).index_copy_(0, mirror_at, v.to(mirror_v.dtype).reshape(-1, dim))
+
+
+def vnni_available() -> bool:
+    """Whether `torch.ops.plait_cpu.int8_gemv` runs here: kernels built (`load()` called) for a
+    CPU with AVX512-VNNI."""
+    return _state.get("ok", False) is True and bool(torch.ops.plait_cpu.has_vnni())

@@ -173,3 +173,32 @@ def test_kv_write_rejects_out_of_range_slots():
     k = torch.randn(1, 3, 64)
     with pytest.raises(RuntimeError, match="slot out of range"):
         cpu_kernels.kv_write_(pool, pool.clone(), torch.tensor([4]), k, k)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("x_dtype", DTYPES)
+def test_int8_gemv_is_the_exact_product_up_to_int16_activations(rows, x_dtype):
+    if not cpu_kernels.vnni_available():
+        pytest.skip("no AVX512-VNNI")
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randint(-127, 128, (1000, 576), dtype=torch.int8, generator=g)
+    scale = torch.rand(1000, generator=g) / 50
+    x = (torch.randn(rows, 576, generator=g) * torch.rand(576, generator=g) * 10).to(x_dtype)  # uneven channels
+    got = torch.ops.plait_cpu.int8_gemv(x, w, scale)
+    ref = (x.double() @ w.double().t()) * scale.double()
+    assert got.dtype == torch.float32 and got.shape == (rows, 1000)
+    assert ((got.double() - ref).abs().max() / ref.abs().max()) < 1e-4   # bfloat16 activations: ~4e-3
+
+
+def test_lm_head_of_quantized_model_uses_vnni_gemv():
+    from plait.runtime.quantization import Int8Linear
+    lin = Int8Linear(torch.randn(256, 128), None)
+    x = torch.randn(2, 128)
+    weight_only = lin(x.bfloat16()).float()
+    if not lin.use_vnni_gemv():
+        pytest.skip("no AVX512-VNNI")
+    got = lin(x)
+    ref = x @ lin.dequantized().t()
+    assert got.dtype == torch.float32
+    assert (got - ref).abs().max() < 0.1 * (weight_only - ref).abs().max()   # closer than bf16 activations
+    assert lin(torch.randn(9, 128)).shape == (9, 256)   # 9 rows: the weight-only path
