@@ -155,7 +155,7 @@ class Int8Linear(_WeightOnlyLinear):
         return (self.qweight.float() * self.scale[:, None]).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.vnni_gemv and x.dim() == 2 and x.shape[0] <= 8:
+        if self.vnni_gemv and x.dim() == 2 and 1 <= x.shape[0] <= 8:
             return torch.ops.plait_cpu.int8_gemv(x, self.qweight, self.scale)   # float32 out
         if (self.kernel == "int8pack" and x.dim() == 2 and x.shape[0] < _INT8PACK_MAX_ROWS
                 and x.dtype == torch.bfloat16 and self.bias is None and x.is_contiguous()):

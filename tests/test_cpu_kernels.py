@@ -202,3 +202,4 @@ def test_lm_head_of_quantized_model_uses_vnni_gemv():
     assert got.dtype == torch.float32
     assert (got - ref).abs().max() < 0.1 * (weight_only - ref).abs().max()   # closer than bf16 activations
     assert lin(torch.randn(9, 128)).shape == (9, 256)   # 9 rows: the weight-only path
+    assert lin(torch.randn(0, 128)).shape == (0, 256)   # no rows (a step with no logits to take)
