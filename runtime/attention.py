@@ -129,9 +129,8 @@ class MirroredAttention(TorchNativeAttention):
         plan, mk, mv = self._plan, self.mirror.k[layer_id], self.mirror.v[layer_id]
         cpu_kernels.kv_write_(self.pool.k[layer_id], self.pool.v[layer_id], batch.out_cache_loc, k, v,
                               mk, mv, plan.keep_at)
-        n, length = plan.n, plan.length
-        return cpu_kernels.decode_attention(q, mk[:n, :, :length], mv[:n, :, :length], self.mirror.lens[:n],
-                                            scale).view(n, -1)
+        # the mirror as it lies: its rows past plan.n and keys past each row's length are not read
+        return cpu_kernels.decode_attention(q, mk, mv, self.mirror.lens, scale).view(plan.n, -1)
 
     def _attend_group(self, i, g, q, k, v, layer_id, scale):
         if self._plan is None or i != len(self._batch.groups) - 1:

@@ -110,11 +110,13 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, hea
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """One query token per row: q `[n, H, D]` (float32 or bfloat16, any strides), k/v
-    `[n, KVH, >=L, D]` (views allowed), row b attending to its first `lens[b]` keys. Computed in
-    float32; returns `[n, H, D]` in q's dtype."""
+    `[>=n, KVH, >=L, D]` (views allowed; rows past n are ignored), row b attending to its first
+    `lens[b]` keys (`lens` may be longer than n). Computed in float32; returns `[n, H, D]` in q's
+    dtype."""
     if enabled(k) and enabled(q):
         return torch.ops.plait_cpu.decode_attention(q, k, v, lens, scale)
     n, heads, dim = q.shape
+    k, v, lens = k[:n], v[:n], lens[:n]
     length = int(lens.max()) if lens.numel() else 0
     keys, values = k[:, :, :length].float(), v[:, :, :length].float()
     mask = torch.zeros((n, 1, 1, length))

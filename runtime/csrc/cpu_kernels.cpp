@@ -210,8 +210,8 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t h
 }
 
 // ---- decode attention: one query token per row, K/V of each row contiguous -----------------------
-// q [n, H, D] float32; k, v [n, KVH, >=L, D] (unit stride in D; rows, heads and positions may be
-// strided, e.g. views into the decode mirror); lens [n] int64: row b attends keys [0, lens[b]).
+// q [n, H, D]; k, v [>=n, KVH, >=L, D] (unit stride in D; rows, heads and positions may be
+// strided, e.g. the decode mirror as it lies); lens [>=n] int64: row b attends keys [0, lens[b]).
 // Each (row, KV head) task streams its keys and values once for all H / KVH queries that share them.
 
 
@@ -354,11 +354,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
               "decode_attention: q must be float32 or bfloat16 [n, heads, head_dim]");
   TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(),
               "decode_attention: k and v must be [n, kv_heads, length, head_dim] alike");
-  TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == q.size(2) && q.size(1) % k.size(1) == 0,
+  TORCH_CHECK(k.size(0) >= q.size(0) && k.size(3) == q.size(2) && q.size(1) % k.size(1) == 0,
               "decode_attention: q and k/v shapes disagree");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: head_dim must have unit stride");
-  TORCH_CHECK(lens.scalar_type() == at::kLong && lens.is_contiguous() && lens.numel() == q.size(0),
-              "decode_attention: lens must be int64 [n]");
+  TORCH_CHECK(lens.scalar_type() == at::kLong && lens.is_contiguous() && lens.numel() >= q.size(0),
+              "decode_attention: lens must be int64 [>= n]");
   const int64_t* lp = lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < q.size(0); ++b) {
     TORCH_CHECK(lp[b] <= k.size(2), "decode_attention: a row's length exceeds its keys");

@@ -99,13 +99,12 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.kv_heads, self.head_dim))
             c, s = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
             q, k = apply_rope(q, c, s), apply_rope(k, c, s)
+            v = v.reshape(-1, self.kv_heads, self.head_dim)
         else:   # q and k are adjacent in qkv (a fresh tensor): rotate both heads' sets in place
             cpu_kernels.rope_(qkv, cos, sin, self.num_heads + self.kv_heads, self.head_dim)
-            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(-1, self.num_heads, self.head_dim)
-            k = k.view(-1, self.kv_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size:].reshape(-1, self.kv_heads, self.head_dim)
-        return self.o_proj(backend.forward(q, k, v.contiguous(), self.layer_id, batch, self.scale))
+            heads = qkv.view(-1, self.num_heads + 2 * self.kv_heads, self.head_dim)
+            q, k, v = heads[:, :self.num_heads], heads[:, self.num_heads:-self.kv_heads], heads[:, -self.kv_heads:]
+        return self.o_proj(backend.forward(q, k, v, self.layer_id, batch, self.scale))
 
 
 class MLP(nn.Module):
