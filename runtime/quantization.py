@@ -46,7 +46,11 @@ The LM head stays int8 with `int4`: it is the matrix whose error lands on the lo
 and the GGUF stores it (the tied token embedding) as Q8_0, not 4-bit; llama.cpp's 4-bit mixes keep
 it at 6-8 bits as well. Measured on SmolLM2: an int4 head raises KL to 0.059 and drops top-1
 agreement with float32 from 97% to 81%, for 3.7 ms less per batch-1 step (the head alone: int8
-5.6, int4 1.9 ms, load 4).
+5.6, int4 1.9 ms, load 4). Up to 8 rows, an int8 LM head on a CPU with AVX512-VNNI runs through
+`cpu_kernels` `int8_gemv` (`Int8Linear.use_vnni_gemv`): activations as int16 in blocks of 64, exact
+int32 dot products, float32 logits. Measured on SmolLM2's head [49152, 576], 2 threads: 1 row
+1.05 vs 2.87 ms (`_weight_int8pack_mm`), 3 rows 1.6 vs 3.5; on 242 positions of the quality text,
+KL to the float32 head 0.00096 vs 0.00165 with bfloat16 activations.
 
 `fp8` (CUDA only, compute capability >= 9.0): float8 e4m3 weights with per-row scales and
 per-token activation scales through `torch._scaled_mm`; other GPUs fall back to int8 dequant.
