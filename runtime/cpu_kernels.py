@@ -74,14 +74,14 @@ def enabled(x: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim with HF's rounding in bfloat16 (normalize in float32, round,
     then scale by the weight in the model's dtype)."""
-    if enabled(x) and x.is_contiguous():
+    if enabled(x) and x.is_contiguous() and weight.dtype == x.dtype:
         return torch.ops.plait_cpu.rms_norm(x, weight, eps)
     return _rms_norm_eager(x, weight, eps)
 
 
 def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`x += delta` in place (the residual stream), then `rms_norm(x)`."""
-    if enabled(x) and x.is_contiguous() and delta.is_contiguous() and delta.dtype == x.dtype:
+    if enabled(x) and x.is_contiguous() and delta.is_contiguous() and delta.dtype == weight.dtype == x.dtype:
         return torch.ops.plait_cpu.add_rms_norm_(x, delta, weight, eps)
     x.add_(delta)
     return _rms_norm_eager(x, weight, eps)

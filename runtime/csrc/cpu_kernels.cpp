@@ -19,6 +19,10 @@
 #include <cmath>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 inline float f32(float x) { return x; }
@@ -38,7 +42,6 @@ int64_t grain(int64_t per_row, int64_t work = 32768) {
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -213,7 +216,6 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t h
 // q [n, H, D]; k, v [>=n, KVH, >=L, D] (unit stride in D; rows, heads and positions may be
 // strided, e.g. the decode mirror as it lies); lens [>=n] int64: row b attends keys [0, lens[b]).
 // Each (row, KV head) task streams its keys and values once for all H / KVH queries that share them.
-
 
 // scores[j] = scale * q . k_j for the G queries of one KV head (G rows of `scores`, stride len).
 template <typename KV>
