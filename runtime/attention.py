@@ -111,17 +111,20 @@ class MirroredAttention(TorchNativeAttention):
             mirror_budget_bytes = default_mirror_budget(pool)
         self.mirror = DecodeMirror(pool, mirror_budget_bytes)
         self._plan: MirrorPlan | None = None
+        self._kernel = False   # this step's one-token decode rows go through cpu_kernels.decode_attention
         self._fused = False
 
     def _begin(self, batch: ForwardBatch) -> None:
         super()._begin(batch)
         self.mirror.begin_step(batch.out_cache_loc)
         last = batch.groups[-1] if batch.groups else None
-        plan = self._plan = self.mirror.plan(last) if last is not None and last.decode else None
+        # one-token rows through the fused kernel take their lengths, not a mask
+        kernel = self._kernel = last is not None and last.max_q == 1 and cpu_kernels.enabled(self.pool.k[0])
+        plan = self._plan = self.mirror.plan(last, with_mask=not kernel) if last is not None and last.decode else None
         # The steady decode step (only decode rows, each appending one token to its mirror row, in
         # batch order): K/V writes and attention in two fused ops per layer.
         self._fused = (plan is not None and len(batch.groups) == 1 and plan.max_q == 1 and plan.order is None
-                       and plan.keep_tok is None and plan.fill_idx is None and cpu_kernels.enabled(self.pool.k[0]))
+                       and plan.keep_tok is None and plan.fill_idx is None and kernel)
 
     def _forward(self, q, k, v, layer_id, batch, scale):
         if not (self._fused and cpu_kernels.enabled(k)):
@@ -144,8 +147,8 @@ class MirroredAttention(TorchNativeAttention):
         if plan.max_q == 1:
             if plan.order is not None:
                 q = q[plan.order]
-            if cpu_kernels.enabled(keys):   # one pass over each row's K/V, no mask (2x SDPA's speed)
-                out = cpu_kernels.decode_attention(q, keys, values, self.mirror.lens[:n], scale)
+            if self._kernel:   # one pass over each row's K/V, no mask (2x SDPA's speed)
+                out = cpu_kernels.decode_attention(q, keys, values, self.mirror.lens, scale)
             else:   # one query per head: fold the heads sharing a KV head into the query length (GQA)
                 q4 = q.view(n, kv_heads, num_heads // kv_heads, head_dim)
                 out = F.scaled_dot_product_attention(q4, keys, values, attn_mask=plan.mask, scale=scale)

@@ -1,5 +1,6 @@
-"""Fused CPU kernels for the decoder's small ops: RMSNorm (with the residual add), RoPE and decode
-attention, each one op instead of 6-10 aten ops (`csrc/cpu_kernels.cpp`).
+"""Fused CPU kernels for the decoder's small ops (`csrc/cpu_kernels.cpp`): RMSNorm (with the residual
+add), RoPE, the step's K/V writes into the pool and the decode mirror, and decode attention, each one
+op instead of 6-10 aten ops; and `int8_gemv`, the AVX512-VNNI int8 LM head (`quantization.py`).
 
 At decode batch sizes these ops touch a few KB each, so in eager PyTorch their cost is dispatch
 and OpenMP wake-ups; decode attention streams each row's K/V once for all the queries sharing a KV
@@ -8,7 +9,7 @@ head (SDPA: 3 queries per head on SmolLM2, ~2x slower at every size measured: 1 
 Whole SmolLM2 decode steps, kernels off vs on in one process (rounds alternating, load 1.2-1.6):
 float32 batch 1 26.5 -> 24.1 ms, batch 32 100.2 -> 83.6; bfloat16 + int4 batch 1 17.5 -> 13.9,
 batch 32 70.9 -> 57.3. The C++ source is compiled
-once per machine on first use (`torch.utils.cpp_extension`, ~1 min, cached under
+once per machine on first use (`torch.utils.cpp_extension`, ~12 s here, cached under
 `~/.cache/torch_extensions`; `make setup` does it ahead of time). Where it cannot be built (no
 compiler), on other devices, or with `PLAIT_CPU_KERNELS=0`, every function here falls back to the
 eager PyTorch ops that compute the same thing — the reference the kernels are tested against.

@@ -75,10 +75,11 @@ class DecodeMirror:
         self.clock += 1
         self.slot_stamp[written] = self.clock
 
-    def plan(self, g: AttnGroup) -> MirrorPlan | None:
+    def plan(self, g: AttnGroup, with_mask: bool = True) -> MirrorPlan | None:
         """Decide, for decode group `g`, which rows only append their new tokens and which are
         copied in full from the pool. None when the mirror would exceed its memory budget (the
-        caller gathers instead). Call after `begin_step`."""
+        caller gathers instead). Call after `begin_step`. `with_mask=False` leaves out the additive
+        mask (for a caller that attends by the rows' lengths, `lens`)."""
         n, length, max_q = g.bsz, g.max_kv, g.max_q
         if not self._ensure_capacity(n, length):
             return None
@@ -123,7 +124,8 @@ class DecodeMirror:
             q_slots = target[row_of] * max_q + pos - pre[row_of]
         return MirrorPlan(n, length, max_q, target, order, q_slots,
                           None if keep_tok.numel() == row_of.numel() else keep_tok, keep_at,
-                          fill_idx, fill_t, self._mask(n, length, max_q, ext if order is None else ext[order]))
+                          fill_idx, fill_t,
+                          self._mask(n, length, max_q, ext if order is None else ext[order]) if with_mask else None)
 
     def _match(self, g: AttnGroup, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mirror row of each batch row, and whether it is kept (it holds at least the row's

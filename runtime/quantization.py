@@ -98,6 +98,16 @@ def default_int8_kernel(device: torch.device) -> str:
     return "dequant"
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as 2-D rows (the model's own inputs already are)."""
+    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+
+
+def _bf16_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x as the weight-only kernels take it; no op when it already is."""
+    return x if x.dtype == torch.bfloat16 and x.is_contiguous() else x.to(torch.bfloat16).contiguous()
+
+
 class _WeightOnlyLinear(nn.Module):
     """What the CPU int8 and int4 layers share: many rows go through a bfloat16 copy of the
     dequantized weight, prepacked for oneDNN (the weight-only kernels do not reuse a weight row
@@ -117,6 +127,13 @@ class _WeightOnlyLinear(nn.Module):
             return None
         bias = None if self.bias is None else self.bias.to(torch.bfloat16)
         return PackedLinear(self.dequantized(torch.bfloat16), bias)
+
+    def _output(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`y` (rows of `_rows(x)`) in x's dtype and leading shape; no op where nothing changes
+        (at batch 1 every op is a cost)."""
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def _bf16_rows(self, x2: torch.Tensor) -> torch.Tensor:
         """`x2 @ W.T + b` in bfloat16: the prepacked copy, or (no oneDNN) the weight dequantized
@@ -161,13 +178,9 @@ class Int8Linear(_WeightOnlyLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.vnni_gemv and x.dim() == 2 and 1 <= x.shape[0] <= 8:
             return torch.ops.plait_cpu.int8_gemv(x, self.qweight, self.scale)   # float32 out
-        if (self.kernel == "int8pack" and x.dim() == 2 and x.shape[0] < _INT8PACK_MAX_ROWS
-                and x.dtype == torch.bfloat16 and self.bias is None and x.is_contiguous()):
-            return torch._weight_int8pack_mm(x, self.qweight, self.scale_bf16)   # decode's case, one op
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
+        x2 = _rows(x)
         if self.kernel == "int8pack" and x2.shape[0] < _INT8PACK_MAX_ROWS:
-            y = torch._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.qweight, self.scale_bf16)
+            y = torch._weight_int8pack_mm(_bf16_contiguous(x2), self.qweight, self.scale_bf16)
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)
         elif self.kernel == "int8pack":
@@ -176,7 +189,7 @@ class Int8Linear(_WeightOnlyLinear):
             y = self._w8a8(x2)
         else:
             y = F.linear(x2, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        return self._output(x, y)
 
     def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
         """int8 x int8 -> int32 GEMM with activations quantized per row (token), symmetric."""
@@ -272,24 +285,18 @@ class Int4Linear(_WeightOnlyLinear):
         return (q * sz[..., :1] + sz[..., 1:]).reshape(n, k).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.packed_int4 is not None and x.dim() == 2 and x.shape[0] < _INT4PACK_MAX_ROWS
-                and x.dtype == torch.bfloat16 and self.bias is None and x.is_contiguous()):
-            # the decode step's common case in one op (every op here is a cost at batch 1)
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed_int4, self.group_size,
-                                                              self.scales_and_zeros)
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
+        x2 = _rows(x)
         if self.packed_int4 is not None and x2.shape[0] < _INT4PACK_MAX_ROWS:
             # bfloat16 activations: with float32 ones the kernel is ~20x slower.
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x2.to(torch.bfloat16).contiguous(), self.packed_int4, self.group_size, self.scales_and_zeros)
+                _bf16_contiguous(x2), self.packed_int4, self.group_size, self.scales_and_zeros)
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)
         elif self.kernel == "int4pack":
             y = self._bf16_rows(x2)
         else:
             y = F.linear(x2, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        return self._output(x, y)
 
     def extra_repr(self) -> str:
         copy_only = self.kernel == "int4pack" and self.packed_int4 is None

@@ -190,7 +190,7 @@ def test_int8_gemv_is_the_exact_product_up_to_int16_activations(rows, x_dtype):
     assert ((got.double() - ref).abs().max() / ref.abs().max()) < 1e-4   # bfloat16 activations: ~4e-3
 
 
-def test_lm_head_of_quantized_model_uses_vnni_gemv():
+def test_int8_linear_vnni_gemv_rows():
     from plait.runtime.quantization import Int8Linear
     lin = Int8Linear(torch.randn(256, 128), None)
     x = torch.randn(2, 128)

@@ -116,7 +116,7 @@ def prompts(smollm2_path):
 @pytest.mark.parametrize("kernels", ["fused", "eager"])
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_tiny_models_match_hf(arch, kernels, tiny_model_dirs, prompts, monkeypatch):
-    """With the fused CPU kernels (norms, RoPE, SiLU-mul, decode attention) and without them."""
+    """With the fused CPU kernels (norms, RoPE, K/V writes, decode attention) and without them."""
     if kernels == "eager":
         monkeypatch.setattr(cpu_kernels, "load", lambda: False)
         monkeypatch.setitem(cpu_kernels._state, "ok", False)
