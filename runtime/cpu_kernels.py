@@ -1,6 +1,8 @@
 """Fused CPU kernels for the decoder's small ops (`csrc/cpu_kernels.cpp`): RMSNorm (with the residual
 add), RoPE, the step's K/V writes into the pool and the decode mirror, and decode attention, each one
-op instead of 6-10 aten ops; and `int8_gemv`, the AVX512-VNNI int8 LM head (`quantization.py`).
+op instead of 6-10 aten ops; `gemv`, the float32 / bfloat16 projections at 1-3 rows (each thread
+streams its own contiguous run of weight rows, bfloat16 by AVX512-BF16 dot products; `prepack.py`);
+and `int8_gemv`, the AVX512-VNNI int8 LM head (`quantization.py`).
 
 At decode batch sizes these ops touch a few KB each, so in eager PyTorch their cost is dispatch
 and OpenMP wake-ups; decode attention streams each row's K/V once for all the queries sharing a KV
@@ -148,3 +150,9 @@ def vnni_available() -> bool:
     """Whether `torch.ops.plait_cpu.int8_gemv` runs here: kernels built (`load()` called) for a
     CPU with AVX512-VNNI."""
     return _state.get("ok", False) is True and bool(torch.ops.plait_cpu.has_vnni())
+
+
+def gemv_available() -> bool:
+    """Whether `torch.ops.plait_cpu.gemv` (float32 / bfloat16 weights, 1-4 rows) runs its AVX-512
+    loop here: kernels built (`load()` called) for a CPU with AVX512BW/VL."""
+    return _state.get("ok", False) is True and bool(torch.ops.plait_cpu.has_gemv())

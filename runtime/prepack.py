@@ -2,7 +2,9 @@
 
 On this class of CPU a prepacked oneDNN matmul is 1.3-2.3x faster than `F.linear` (MKL) for the
 small-M shapes of decoding (measured for M=8..256, K=576, float32 and bfloat16), the same trick
-torch.compile's freezing pass uses. Only the CPU path; GPUs keep `nn.Linear`.
+torch.compile's freezing pass uses. Decode's 1-3 rows only stream the weight, which oneDNN does on
+one core: those go through `cpu_kernels.gemv` on the plain weight instead. Only the CPU path; GPUs
+keep `nn.Linear`.
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -22,27 +26,43 @@ def prepack_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-class PackedLinear(nn.Module):
-    """`y = x @ W.T + b` with W held in oneDNN's blocked layout."""
+# Up to this many rows (decode's batch sizes) `cpu_kernels.gemv` streams the plain weight; above,
+# oneDNN's prepacked GEMM. Whole SmolLM2 decode steps, arms alternating in one process (2 threads,
+# load 0.9-1.5), ms gemv vs oneDNN: float32 batch 1 15.5 vs 17.4, 2 15.7 vs 18.1, 3 18.0 vs 19.6,
+# 4 17.9 vs 18.2-18.3, 6 20.9 vs 19.7, 8 28.2 vs 21.4; bfloat16 (dot-product instructions) 1 9.5 vs
+# 11.6, 2 9.7 vs 11.9, 4 11.2-11.6 vs 12.8-13.1, 6 12.9 vs 14.6, 8 14.1 vs 16.0.
+GEMV_MAX_ROWS = {torch.float32: 4, torch.bfloat16: 8}
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+
+class PackedLinear(nn.Module):
+    """`y = x @ W.T + b` with W held in oneDNN's blocked layout, and (`small_rows`) also as it
+    is, for decode's few rows."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, small_rows: bool = True):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
         self.bias = None if bias is None else bias.detach().clone()
-        # Batch-1 decode only streams the weight, and oneDNN's (and MKL's) float32 GEMV runs on one
-        # core: there the plain weight viewed as [2, N/2, K] goes through bmm, whose two halves run
-        # on two cores (SmolLM2's 121 matrices, 2 threads, quiet: 30.7 vs 37.5 ms; a whole batch-1
-        # step 46 -> 38 ms). Not from 2 rows (slower in whole steps), nor in bfloat16 (2x slower).
-        # Costs a second copy of the weight.
+        # A GEMV only streams the weight, and oneDNN's (and MKL's) runs on one core or reorders
+        # for compute: up to GEMV_MAX_ROWS rows go through `cpu_kernels.gemv` on the plain weight
+        # (a second copy of it; none for a tied LM head, which is the embedding). Without that
+        # kernel, a float32 single row goes through bmm with the weight viewed as [2, N/2, K],
+        # whose two halves run on two cores (46 -> 38 ms a batch-1 step, on an earlier machine).
+        self.rows_weight = weight.detach().contiguous() if small_rows else None
+        gemv = small_rows and weight.dtype in GEMV_MAX_ROWS and cpu_kernels.gemv_available()
+        self.gemv_rows = GEMV_MAX_ROWS[weight.dtype] if gemv else 0
         self.halves = None
-        if weight.dtype == torch.float32 and self.out_features % 2 == 0 and torch.get_num_threads() > 1:
-            self.halves = weight.detach().contiguous().view(2, self.out_features // 2, self.in_features)
+        if (small_rows and not gemv and weight.dtype == torch.float32 and self.out_features % 2 == 0
+                and torch.get_num_threads() > 1):
+            self.halves = self.rows_weight.view(2, self.out_features // 2, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.dim() == 2   # the model's case: no reshapes (at batch 1 every op here costs)
         x2 = x if flat else x.reshape(-1, x.shape[-1])
-        if self.halves is not None and x2.shape[0] == 1 and x2.is_contiguous():
+        rows = x2.shape[0]
+        if 1 <= rows <= self.gemv_rows:
+            y = torch.ops.plait_cpu.gemv(x2, self.rows_weight, self.bias)
+        elif self.halves is not None and rows == 1 and x2.is_contiguous():
             # [2, N/2, K] @ [2, K, 1] -> [2, N/2, 1], which is the [1, N] row as it lies
             # (x as [K, 1] with strides (1, K): the layout bmm's fast path takes)
             y = torch.bmm(self.halves, x2.t().unsqueeze(0).expand(2, -1, -1)).view(1, self.out_features)

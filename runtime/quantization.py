@@ -126,7 +126,7 @@ class _WeightOnlyLinear(nn.Module):
         if not prepack_available() or self.qweight.device.type != "cpu":
             return None
         bias = None if self.bias is None else self.bias.to(torch.bfloat16)
-        return PackedLinear(self.dequantized(torch.bfloat16), bias)
+        return PackedLinear(self.dequantized(torch.bfloat16), bias, small_rows=False)   # many rows only
 
     def _output(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (rows of `_rows(x)`) in x's dtype and leading shape; no op where nothing changes

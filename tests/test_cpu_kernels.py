@@ -203,3 +203,32 @@ def test_int8_linear_vnni_gemv_rows():
     assert (got - ref).abs().max() < 0.1 * (weight_only - ref).abs().max()   # closer than bf16 activations
     assert lin(torch.randn(9, 128)).shape == (9, 256)   # 9 rows: the weight-only path
     assert lin(torch.randn(0, 128)).shape == (0, 256)   # no rows (a step with no logits to take)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("w_dtype", DTYPES)
+@pytest.mark.parametrize("x_dtype", DTYPES)
+@pytest.mark.parametrize("k", [64, 200, 576])   # 200: a tail of 8 after the 32-wide (bf16: 64-wide) loop
+def test_gemv_matches_linear(rows, w_dtype, x_dtype, k):
+    if not cpu_kernels.gemv_available():
+        pytest.skip("no AVX512BW/VL")
+    g = torch.Generator().manual_seed(rows * k)
+    w = torch.randn(1000, k, generator=g).to(w_dtype)
+    x = torch.randn(rows, k, generator=g).to(x_dtype)
+    bias = torch.randn(1000, generator=g)
+    for b in (None, bias):
+        got = torch.ops.plait_cpu.gemv(x, w, b)
+        ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+        assert got.dtype == x_dtype and got.shape == (rows, 1000)
+        if x_dtype == torch.float32:   # float32 sums in another order
+            torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
+        else:                          # then one bfloat16 rounding of the output
+            torch.testing.assert_close(got.double(), ref, rtol=2 ** -8, atol=1e-3)
+
+
+def test_gemv_rejects_what_it_does_not_take():
+    w = torch.randn(8, 64)
+    with pytest.raises(RuntimeError, match="1..8"):
+        torch.ops.plait_cpu.gemv(torch.randn(9, 64), w, None)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.plait_cpu.gemv(torch.randn(1, 32), w[:, :32], None)

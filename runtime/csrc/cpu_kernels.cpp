@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -47,6 +48,14 @@ inline __m512 load16(const c10::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PLAIT_GEMV 1
+inline __m512 load16_masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16_masked(const c10::BFloat16* p, __mmask16 m) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
 // float32 -> bfloat16 bits, round to nearest even, NaN -> 0x7FC0: what c10::BFloat16(float) does.
 inline __m256i to_bf16_bits(__m512 f) {
   const __m512i u = _mm512_castps_si512(f);
@@ -442,6 +451,136 @@ void kv_write_(at::Tensor pool_k, at::Tensor pool_v, const at::Tensor& slots, co
 #undef PLAIT_KV_WRITE
 }
 
+// ---- float32 / bfloat16 weight GEMV: the projections at decode batch sizes ----------------------
+// y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for up to 8 rows of x, summed in float32, the
+// weight streamed once for all rows. oneDNN and MKL run a small-M product on one core, or reorder
+// it for compute; here each thread streams one contiguous run of W's rows front to back (the
+// hardware prefetcher's best case: interleaving 4 rows' short streams instead read ~35% slower),
+// so reading memory is the limit. bfloat16 x and W (a bfloat16 model): AVX512-BF16 dot products,
+// 32 exact products an instruction (widening W to float32 in registers made it compute-bound:
+// SmolLM2's bfloat16 decode step 11.3 ms, barely under float32's 12.0); otherwise float32 FMAs.
+#if defined(PLAIT_GEMV)
+template <int M, typename W, typename O>
+void gemv_rows(const float* x, const W* w, const float* bias, int64_t K, int64_t n0, int64_t n1, O* y, int64_t N) {
+  const int64_t full = K / 32 * 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const W* wn = w + n * K;
+    __m512 a0[M], a1[M];   // two chains per row of x: an FMA's latency is 4 cycles
+    for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k < full; k += 32) {
+      const __m512 w0 = load16(wn + k), w1 = load16(wn + k + 16);
+      for (int m = 0; m < M; ++m) {
+        a0[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k), w0, a0[m]);
+        a1[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k + 16), w1, a1[m]);
+      }
+    }
+    for (; k < K; k += 16) {
+      const __mmask16 mask = K - k >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (K - k)) - 1);
+      const __m512 wv = load16_masked(wn + k, mask);
+      for (int m = 0; m < M; ++m) a0[m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + m * K + k), wv, a0[m]);
+    }
+    const float b = bias ? bias[n] : 0.f;
+    for (int m = 0; m < M; ++m) y[m * N + n] = static_cast<O>(_mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m])) + b);
+  }
+}
+
+#if defined(__AVX512BF16__)
+#define PLAIT_GEMV_BF16 1
+inline __m512bh bf16x32(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh bf16x32(const c10::BFloat16* p, __mmask32 m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
+
+template <int M>
+void gemv_rows_bf16(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias, int64_t K, int64_t n0,
+                    int64_t n1, c10::BFloat16* y, int64_t N) {
+  const int64_t full = K / 64 * 64;
+  for (int64_t n = n0; n < n1; ++n) {
+    const c10::BFloat16* wn = w + n * K;
+    __m512 a0[M], a1[M];
+    for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k < full; k += 64) {
+      const __m512bh w0 = bf16x32(wn + k), w1 = bf16x32(wn + k + 32);
+      for (int m = 0; m < M; ++m) {
+        a0[m] = _mm512_dpbf16_ps(a0[m], w0, bf16x32(x + m * K + k));
+        a1[m] = _mm512_dpbf16_ps(a1[m], w1, bf16x32(x + m * K + k + 32));
+      }
+    }
+    for (; k < K; k += 32) {
+      const __mmask32 mask = K - k >= 32 ? ~static_cast<__mmask32>(0) : static_cast<__mmask32>((1u << (K - k)) - 1);
+      const __m512bh wv = bf16x32(wn + k, mask);
+      for (int m = 0; m < M; ++m) a0[m] = _mm512_dpbf16_ps(a0[m], wv, bf16x32(x + m * K + k, mask));
+    }
+    const float b = bias ? bias[n] : 0.f;
+    for (int m = 0; m < M; ++m) y[m * N + n] = c10::BFloat16(_mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m])) + b);
+  }
+}
+#endif
+
+// Each thread streams one contiguous run of rows (a task reads at least ~64 KB of weights).
+template <typename Rows>
+void gemv_split(int64_t M, int64_t K, int64_t N, Rows rows) {
+  at::parallel_for(0, N, grain(K, 16384), [&](int64_t n0, int64_t n1) {
+    switch (M) {
+      case 1: rows(std::integral_constant<int, 1>(), n0, n1); break;
+      case 2: rows(std::integral_constant<int, 2>(), n0, n1); break;
+      case 3: rows(std::integral_constant<int, 3>(), n0, n1); break;
+      case 4: rows(std::integral_constant<int, 4>(), n0, n1); break;
+      case 5: rows(std::integral_constant<int, 5>(), n0, n1); break;
+      case 6: rows(std::integral_constant<int, 6>(), n0, n1); break;
+      case 7: rows(std::integral_constant<int, 7>(), n0, n1); break;
+      default: rows(std::integral_constant<int, 8>(), n0, n1); break;
+    }
+  });
+}
+#endif
+
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  check_cpu(x, "x");
+  check_cpu(w, "w");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+              "gemv: w must be contiguous float32 or bfloat16 [N, K]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1) && x.size(0) >= 1 && x.size(0) <= 8,
+              "gemv: x must be [1..8, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "gemv: x must be float32 or bfloat16");
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == w.size(0)), "gemv: bias must be [N]");
+#if defined(PLAIT_GEMV)
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor bf;   // float32 bias, or none
+  if (bias.has_value()) bf = bias->to(at::kFloat).contiguous();
+  const float* bp = bias.has_value() ? bf.data_ptr<float>() : nullptr;
+  at::Tensor y = at::empty({M, N}, x.options());
+#if defined(PLAIT_GEMV_BF16)
+  if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16) {
+    const at::Tensor xc = x.contiguous();
+    const c10::BFloat16 *xp = xc.data_ptr<c10::BFloat16>(), *wp = w.data_ptr<c10::BFloat16>();
+    c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+    gemv_split(M, K, N, [&](auto rows, int64_t n0, int64_t n1) {
+      gemv_rows_bf16<decltype(rows)::value>(xp, wp, bp, K, n0, n1, yp, N);
+    });
+    return y;
+  }
+#endif
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  auto run = [&](auto* wp, auto* yp) {
+    gemv_split(M, K, N, [&](auto rows, int64_t n0, int64_t n1) {
+      gemv_rows<decltype(rows)::value>(xp, wp, bp, K, n0, n1, yp, N);
+    });
+  };
+  const bool wf = w.scalar_type() == at::kFloat, yf = y.scalar_type() == at::kFloat;
+  if (wf && yf) run(w.data_ptr<float>(), y.data_ptr<float>());
+  else if (wf) run(w.data_ptr<float>(), y.data_ptr<c10::BFloat16>());
+  else if (yf) run(w.data_ptr<c10::BFloat16>(), y.data_ptr<float>());
+  else run(w.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>());
+  return y;
+#else
+  at::Tensor y = at::matmul(x.to(at::kFloat), w.to(at::kFloat).t());
+  if (bias.has_value()) y.add_(bias->to(at::kFloat));
+  return y.to(x.scalar_type());
+#endif
+}
+
 // ---- int8 weight GEMV on 16-bit activations: the LM head at decode batch sizes --------------------
 // y[m, n] = scale[n] * sum_b sx[m, b] * sum_{k in b} xq[m, k] * w[n, k], x quantized to int16 in
 // blocks of 64 along K (symmetric, sx = max|x| / 32767: a relative error ~1e-5, below bfloat16's
@@ -500,6 +639,14 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 #endif
 }
 
+bool has_gemv() {
+#if defined(PLAIT_GEMV)
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool has_vnni() {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
   return true;
@@ -516,12 +663,17 @@ TORCH_LIBRARY(plait_cpu, m) {
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lens, float scale) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor w, Tensor scale) -> Tensor");
+  m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("has_vnni() -> bool");
+  m.def("has_gemv() -> bool");
   m.def("kv_write_(Tensor(a!) pool_k, Tensor(b!) pool_v, Tensor slots, Tensor k, Tensor v, Tensor(c!)? mirror_k, "
         "Tensor(d!)? mirror_v, Tensor? mirror_at) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(plait_cpu, CompositeExplicitAutograd, m) { m.impl("has_vnni", &has_vnni); }
+TORCH_LIBRARY_IMPL(plait_cpu, CompositeExplicitAutograd, m) {
+  m.impl("has_vnni", &has_vnni);
+  m.impl("has_gemv", &has_gemv);
+}
 
 TORCH_LIBRARY_IMPL(plait_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
@@ -529,5 +681,6 @@ TORCH_LIBRARY_IMPL(plait_cpu, CPU, m) {
   m.impl("rope_", &rope_);
   m.impl("decode_attention", &decode_attention);
   m.impl("int8_gemv", &int8_gemv);
+  m.impl("gemv", &gemv);
   m.impl("kv_write_", &kv_write_);
 }
