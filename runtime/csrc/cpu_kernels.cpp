@@ -226,16 +226,34 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t h
 // strided, e.g. the decode mirror as it lies); lens [>=n] int64: row b attends keys [0, lens[b]).
 // Each (row, KV head) task streams its keys and values once for all H / KVH queries that share them.
 
-// scores[j] = scale * q . k_j for the G queries of one KV head (G rows of `scores`, stride len).
+// A row's K (then V) is a short stream (len x D, a few KB to ~100 KB) that the hardware prefetcher
+// barely ramps up on before it ends: keys and values are fetched this many rows ahead, and the
+// scores' last rows fetch the first values.
+constexpr int64_t kPrefetchRows = 8;
+
+#if defined(__AVX512F__)
+template <typename KV>
+inline void prefetch_row(const KV* p, int64_t D) {
+  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(KV)); b += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + b, _MM_HINT_T0);
+}
+#endif
+
+// scores[j] = scale * q . k_j for the G queries of one KV head (G rows of `scores`, stride len);
+// `v` (may be null): the values that come next, whose first rows are prefetched at the end.
 template <typename KV>
 void attention_scores(const float* q, const KV* k, int64_t k_stride, int64_t len, int64_t G, int64_t D,
-                      float scale, float* scores) {
+                      float scale, float* scores, const KV* v = nullptr, int64_t v_stride = 0) {
 #if defined(__AVX512F__)
   if (D % 16 == 0 && G <= 8) {
     // Four keys at a time: 4 * G independent accumulators keep the FMA units busy.
     int64_t j = 0;
     for (; j + 4 <= len; j += 4) {
       const KV* k0 = k + j * k_stride;
+      for (int64_t r = j + kPrefetchRows; r < j + kPrefetchRows + 4; ++r) {
+        if (r < len) prefetch_row(k + r * k_stride, D);
+        else if (v != nullptr && r - len < len) prefetch_row(v + (r - len) * v_stride, D);
+      }
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = q + g * D;
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -309,6 +327,7 @@ void attention_values(const float* p, const KV* v, int64_t v_stride, int64_t len
     for (int64_t i = 0; i < G * chunks; ++i) a[i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < len; ++j) {
       const KV* vj = v + j * v_stride;
+      if (j + kPrefetchRows < len) prefetch_row(vj + kPrefetchRows * v_stride, D);
       for (int64_t c = 0; c < chunks; ++c) {
         const __m512 vc = load16(vj + 16 * c);
         for (int64_t g = 0; g < G; ++g) a[g * chunks + c] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * len + j]), vc, a[g * chunks + c]);
@@ -351,9 +370,11 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at:
         std::fill(ob, ob + G * D, 0.f);
         continue;
       }
-      attention_scores(qb, kp + b * k.stride(0) + kvh * k.stride(1), k.stride(2), len, G, D, scale, scores.data());
+      const KV* vb = vp + b * v.stride(0) + kvh * v.stride(1);
+      attention_scores(qb, kp + b * k.stride(0) + kvh * k.stride(1), k.stride(2), len, G, D, scale, scores.data(),
+                       vb, v.stride(2));
       for (int64_t g = 0; g < G; ++g) softmax_inplace(scores.data() + g * len, len);
-      attention_values(scores.data(), vp + b * v.stride(0) + kvh * v.stride(1), v.stride(2), len, G, D, ob);
+      attention_values(scores.data(), vb, v.stride(2), len, G, D, ob);
     }
   });
 }
