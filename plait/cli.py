@@ -70,6 +70,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "compute-heavy processes. GOMP_SPINCOUNT in the environment wins")
     p.add_argument("--enable-torch-compile", action="store_true",
                    help="torch.compile the model step (attention stays eager); off by default")
+    p.add_argument("--disable-weight-prepack", action="store_true",
+                   help="CPU: plain F.linear on one copy of the weights, instead of oneDNN's prepacked copy "
+                        "plus the plain one for decode's GEMV (about twice the weights' memory)")
     p.add_argument("--disable-cuda-graph", action="store_true",
                    help="CUDA: decode eagerly instead of replaying captured CUDA graphs")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
@@ -93,7 +96,7 @@ _ENGINE_OPTIONS = ("model", "dtype", "device", "context_length", "max_total_toke
                    "disable_jump_forward", "speculative_algorithm", "speculative_num_draft_tokens",
                    "speculative_ngram_min_match", "speculative_ngram_max_match", "speculative_max_batch",
                    "speculative_draft_model", "speculative_draft_quantization", "speculative_draft_max_tokens",
-                   "quantization", "enable_torch_compile", "disable_cuda_graph", "cuda_graph_max_bs",
+                   "quantization", "enable_torch_compile", "disable_weight_prepack", "disable_cuda_graph", "cuda_graph_max_bs",
                    "tp_size", "nnodes", "node_rank", "dist_init_addr")
 
 

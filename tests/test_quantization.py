@@ -92,6 +92,8 @@ def test_server_args_and_cli_flag():
     ns = build_parser().parse_args(["serve", "--quantization", "int8"])
     assert ns.quantization == "int8" and "quantization" in _ENGINE_OPTIONS
     assert build_parser().parse_args(["serve", "--quantization", "int4"]).quantization == "int4"
+    ns = build_parser().parse_args(["serve", "--disable-weight-prepack"])   # one copy of the weights
+    assert ns.disable_weight_prepack and "disable_weight_prepack" in _ENGINE_OPTIONS
 
 
 def greedy(h: Harness, ids: list[int], n: int) -> list[int]:
