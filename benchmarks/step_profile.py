@@ -99,10 +99,12 @@ def main(argv: list[str] | None = None) -> dict:
     from plait.runtime.scheduler import Scheduler
     batches = sorted(args.batch)
     scheds = {}
+    # Room for every request's prompt and max_new_tokens (profile() asks for enough tokens to outlast
+    # the prefill: up to about 2 x batch + steps), which admission reserves.
+    tokens = max(batches) * (args.prompt_len + 2 * max(batches) + args.steps + 16) + 4096
     for quant in args.quantization:
         sargs = ServerArgs(model=args.model, dtype=args.dtype, num_threads=args.threads,
-                           max_running_requests=max(batches),
-                           max_total_tokens=max(batches) * (args.prompt_len + args.steps + 16) + 4096,
+                           max_running_requests=max(batches), max_total_tokens=tokens,
                            enable_torch_compile=args.enable_torch_compile,
                            quantization=None if quant == "none" else quant)
         scheds[quant] = Scheduler(sargs)
