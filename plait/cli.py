@@ -96,8 +96,8 @@ _ENGINE_OPTIONS = ("model", "dtype", "device", "context_length", "max_total_toke
                    "disable_jump_forward", "speculative_algorithm", "speculative_num_draft_tokens",
                    "speculative_ngram_min_match", "speculative_ngram_max_match", "speculative_max_batch",
                    "speculative_draft_model", "speculative_draft_quantization", "speculative_draft_max_tokens",
-                   "quantization", "enable_torch_compile", "disable_weight_prepack", "disable_cuda_graph", "cuda_graph_max_bs",
-                   "tp_size", "nnodes", "node_rank", "dist_init_addr")
+                   "quantization", "enable_torch_compile", "disable_weight_prepack", "disable_cuda_graph",
+                   "cuda_graph_max_bs", "tp_size", "nnodes", "node_rank", "dist_init_addr")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,6 +1,6 @@
 """Fused CPU kernels for the decoder's small ops (`csrc/cpu_kernels.cpp`): RMSNorm (with the residual
 add), RoPE, the step's K/V writes into the pool and the decode mirror, and decode attention, each one
-op instead of 6-10 aten ops; `gemv`, the float32 / bfloat16 projections at 1-3 rows (each thread
+op instead of 6-10 aten ops; `gemv`, the float32 / bfloat16 projections at decode's few rows (each thread
 streams its own contiguous run of weight rows, bfloat16 by AVX512-BF16 dot products; `prepack.py`);
 and `int8_gemv`, the AVX512-VNNI int8 LM head (`quantization.py`).
 
@@ -153,6 +153,6 @@ def vnni_available() -> bool:
 
 
 def gemv_available() -> bool:
-    """Whether `torch.ops.plait_cpu.gemv` (float32 / bfloat16 weights, 1-4 rows) runs its AVX-512
+    """Whether `torch.ops.plait_cpu.gemv` (float32 / bfloat16 weights, 1-8 rows) runs its AVX-512
     loop here: kernels built (`load()` called) for a CPU with AVX512BW/VL."""
     return _state.get("ok", False) is True and bool(torch.ops.plait_cpu.has_gemv())

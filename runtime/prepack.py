@@ -2,8 +2,8 @@
 
 On this class of CPU a prepacked oneDNN matmul is 1.3-2.3x faster than `F.linear` (MKL) for the
 small-M shapes of decoding (measured for M=8..256, K=576, float32 and bfloat16), the same trick
-torch.compile's freezing pass uses. Decode's 1-3 rows only stream the weight, which oneDNN does on
-one core: those go through `cpu_kernels.gemv` on the plain weight instead. Only the CPU path; GPUs
+torch.compile's freezing pass uses. Decode's few rows (`GEMV_MAX_ROWS`) only stream the weight,
+which oneDNN does on one core: those go through `cpu_kernels.gemv` on the plain weight instead. Only the CPU path; GPUs
 keep `nn.Linear`.
 """
 from __future__ import annotations
@@ -51,6 +51,8 @@ class PackedLinear(nn.Module):
         self.rows_weight = weight.detach().contiguous() if small_rows else None
         gemv = small_rows and weight.dtype in GEMV_MAX_ROWS and cpu_kernels.gemv_available()
         self.gemv_rows = GEMV_MAX_ROWS[weight.dtype] if gemv else 0
+        # the kernel adds a float32 bias: converted once here, not on every call
+        self.gemv_bias = None if self.bias is None or not gemv else self.bias.float()
         self.halves = None
         if (small_rows and not gemv and weight.dtype == torch.float32 and self.out_features % 2 == 0
                 and torch.get_num_threads() > 1):
@@ -61,7 +63,7 @@ class PackedLinear(nn.Module):
         x2 = x if flat else x.reshape(-1, x.shape[-1])
         rows = x2.shape[0]
         if 1 <= rows <= self.gemv_rows:
-            y = torch.ops.plait_cpu.gemv(x2, self.rows_weight, self.bias)
+            y = torch.ops.plait_cpu.gemv(x2, self.rows_weight, self.gemv_bias)
         elif self.halves is not None and rows == 1 and x2.is_contiguous():
             # [2, N/2, K] @ [2, K, 1] -> [2, N/2, 1], which is the [1, N] row as it lies
             # (x as [K, 1] with strides (1, K): the layout bmm's fast path takes)

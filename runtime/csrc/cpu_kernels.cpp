@@ -476,7 +476,8 @@ void kv_write_(at::Tensor pool_k, at::Tensor pool_v, const at::Tensor& slots, co
 // y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for up to 8 rows of x, summed in float32, the
 // weight streamed once for all rows. oneDNN and MKL run a small-M product on one core, or reorder
 // it for compute; here each thread streams one contiguous run of W's rows front to back (the
-// hardware prefetcher's best case: interleaving 4 rows' short streams instead read ~35% slower),
+// hardware prefetcher's best case: interleaving 4 rows' short streams read ~35% slower on an
+// earlier machine),
 // so reading memory is the limit. bfloat16 x and W (a bfloat16 model): AVX512-BF16 dot products,
 // 32 exact products an instruction (widening W to float32 in registers made it compute-bound:
 // SmolLM2's bfloat16 decode step 11.3 ms, barely under float32's 12.0); otherwise float32 FMAs.
