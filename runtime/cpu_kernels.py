@@ -2,7 +2,8 @@
 add), RoPE, the step's K/V writes into the pool and the decode mirror, and decode attention, each one
 op instead of 6-10 aten ops; `gemv`, the float32 / bfloat16 projections at decode's few rows (each thread
 streams its own contiguous run of weight rows, bfloat16 by AVX512-BF16 dot products; `prepack.py`);
-and `int8_gemv`, the AVX512-VNNI int8 LM head (`quantization.py`).
+`int8_gemv`, the AVX512-VNNI int8 LM head, and `int4_gemv`, int4 (GGUF Q4_1) layers at decode's few
+rows on int16 activations, also by VNNI (`quantization.py`).
 
 At decode batch sizes these ops touch a few KB each, so in eager PyTorch their cost is dispatch
 and OpenMP wake-ups; decode attention streams each row's K/V once for all the queries sharing a KV
@@ -152,7 +153,32 @@ def vnni_available() -> bool:
     return _state.get("ok", False) is True and bool(torch.ops.plait_cpu.has_vnni())
 
 
+def int4_gemv_available() -> bool:
+    """Whether `torch.ops.plait_cpu.int4_gemv` (int4 weights packed by `int4_gemv_pack`, 1-8 rows)
+    runs here: the same condition as `int8_gemv`'s."""
+    return vnni_available()
+
+
 def gemv_available() -> bool:
     """Whether `torch.ops.plait_cpu.gemv` (float32 / bfloat16 weights, 1-8 rows) runs its AVX-512
     loop here: kernels built (`load()` called) for a CPU with AVX512BW/VL."""
     return _state.get("ok", False) is True and bool(torch.ops.plait_cpu.has_gemv())
+
+
+def int4_gemv_pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """The weight `W[n, k] = scale[n, g] * q[n, k] + minimum[n, g]` (4-bit codes `q` uint8 `[N, K]`,
+    groups g of 32 along K, N a multiple of 16) in `int4_gemv`'s layout: uint8 `[N/16, K/32, 320]`,
+    per block of 16 rows and group 256 bytes of codes then the 16 scales and 16 minimums as fp16
+    (see the kernel's comment in csrc/cpu_kernels.cpp)."""
+    n, k = q.shape
+    if n % 16 or k % 32:
+        raise ValueError(f"int4_gemv_pack: N ({n}) must be a multiple of 16 and K ({k}) of 32")
+    g = k // 32
+    # k = 32 g + 4 s + 2 half + i: byte (s, row j, i) holds half 0 in its low nibble, half 1 in its high
+    q6 = q.reshape(n // 16, 16, g, 8, 2, 2).permute(0, 2, 3, 1, 5, 4)          # [blocks, g, s, j, i, half]
+    codes = (q6[..., 0] | (q6[..., 1] << 4)).reshape(n // 16, g, 256)
+
+    def per_group(t: torch.Tensor) -> torch.Tensor:   # [N, G] -> [blocks, G, 32 bytes] of fp16
+        return t.to(torch.float16).reshape(n // 16, 16, g).transpose(1, 2).contiguous().view(torch.uint8)
+
+    return torch.cat([codes, per_group(scale), per_group(minimum)], dim=-1).contiguous()

@@ -22,24 +22,27 @@ replaced by a module holding quantized weights.
 `int4`: GGUF Q4_1's scheme, asymmetric 4-bit codes in groups of 32 along K (`quantize_int4`).
 Each group's minimum gets code 0 and its maximum code 15, so for a model loaded from a Q4_1 GGUF
 (the default SmolLM2: every attention and MLP matrix) re-quantizing the dequantized float32
-weights gives back the file's codes, d and m exactly: int4 *is* the file's model (up to bfloat16
-scales and activations), while int8 re-rounds it. On SmolLM2, KL(float32 || quantized) over the
+weights gives back the file's codes, d and m exactly (held as float16, as the file does): int4
+*is* the file's model, while int8 re-rounds it. On SmolLM2, KL(float32 || quantized) over the
 logits of benchmarks/quality.py's text: int4 0.0017, int8 0.0050; perplexity 24.080 (float32),
 24.060 (int4), 24.086 (int8). Kernels:
 
-- CPU, `int4pack` (default): torch's `_weight_int4pack_mm_for_cpu` with bfloat16 activations
-  (float32 ones are ~20x slower) up to 9 rows (small batches, a request's speculative drafts);
-  from 10 rows a prepacked bfloat16 copy of the dequantized weight, as int8 does (whole-step
-  figures at `_INT4PACK_MAX_ROWS`; the matmuls alone, per 120 SmolLM2 matrices, 2 cores, load ~1.5,
-  when idle OpenMP threads still slept at once: M=1 int4 7.4 ms, bf16 copy 8.6, int8pack 7.0,
-  float32 prepacked 18.2). The
-  kernel needs N % 16 == 0 (else the bf16 copy serves every row); a layer whose K is not a
-  multiple of 32 is int8 instead. So int4 on the CPU holds 2.5 bytes a weight, 0.5 of it read at
-  batch 1. Whole decode steps of SmolLM2 (`plait bench step_profile --dtype float32 --quantization
-  none int8 int4`, 2 cores shared with other work, load 3-4, so wall times scatter; process CPU
-  ms in brackets): batch 1, 64 steps, two runs: int4 45 / 29 ms (31 / 28), int8 80 / 71 (53 / 48),
-  float32 166 / 136 (95 / 81). Batch 32 (the bf16 copy in both): int4 ~ int8 (CPU 205-211 vs 207-278),
-  float32 CPU 258-333.
+- CPU, `int4pack` (default): up to 8 rows (decode's batches, a request's speculative drafts),
+  `cpu_kernels.int4_gemv` on a CPU with AVX512-VNNI: x quantized to int16 per group of 32, code x
+  activation products summed exactly in int32 (vpdpwssd), Q4_1's float16 scales and minimums
+  applied once per group, 16 output rows to a vector; it reads the weights at close to the
+  machine's bandwidth where torch's kernel (float32 FMAs on converted codes) is compute-bound.
+  SmolLM2's 120 layer matrices at one row (2 threads, load 0.4): 2.41 vs 3.27 ms (torch's), 2
+  rows 2.37 vs 3.61, 4 rows 2.64 vs 4.42, 8 rows 5.86 vs 7.46 (there both are compute-bound);
+  whole bf16+int4 decode steps, arms alternating in one process (load 0.7-1.1): batch 1 6.1 vs
+  7.3 ms (min of 6 rounds; medians 6.8 vs 8.2), batch 4 7.9 vs 9.9, batch 8 13.1 vs 14.9. KL to
+  float32 over 48 decode steps of the quality text: 0.00107 vs 0.00121 (torch's kernel, bfloat16
+  activations and scales). Without VNNI, torch's `_weight_int4pack_mm_for_cpu` with bfloat16
+  activations (float32 ones are ~20x slower) up to 9 rows. From there on a prepacked bfloat16
+  copy of the dequantized weight, as int8 does (whole-step figures at `_INT4PACK_MAX_ROWS`). Both
+  kernels need N % 16 == 0 (else the bf16 copy serves every row); a layer whose K is not a
+  multiple of 32 is int8 instead. So int4 on the CPU holds 2.6 bytes a weight (codes, the kernel's
+  layout, the bf16 copy), 0.625 of them read at batch 1.
 - `dequant`: dequantize then `F.linear`; other devices and torch builds without the kernel.
 
 The LM head stays int8 with `int4`: it is the matrix whose error lands on the logits directly,
@@ -64,6 +67,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_kernels
+
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("int8", "int4", "fp8")
@@ -77,6 +82,7 @@ _INT8PACK_MAX_ROWS = 4   # CPU: from this many rows, the bf16 copy of the dequan
 # 31.4, 8 30.2-33.3 vs 34.3-38.2, 12 52.0 vs 52.3, 16 46.8 vs 43.1, 32 81.2 vs 62.1.
 _INT4PACK_MAX_ROWS = 10
 _INT4PACK_GROUP_SIZES = (32, 64, 128, 256)   # what torch's CPU int4 kernel accepts
+_INT4_GEMV_MAX_ROWS = 8   # cpu_kernels.int4_gemv (AVX512-VNNI) takes 1..8 rows
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,14 +253,15 @@ def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 class Int4Linear(_WeightOnlyLinear):
     """`y = x @ W.T + b` with W in group-wise asymmetric 4-bit (GGUF Q4_1's scheme, `quantize_int4`).
 
-    The weight is held as 4-bit codes plus one (scale, zero) pair per group in bfloat16, the form of
-    torch's CPU int4 kernel: `W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]` with
-    `zero = minimum + 8 * scale` (bfloat16 scales: at most ~1.6% of a quantization step away from
-    Q4_1's fp16 d and m). Kernels: `int4pack` (CPU) runs `_weight_int4pack_mm_for_cpu` with
-    bfloat16 activations below `_INT4PACK_MAX_ROWS` rows, and a prepacked bfloat16 copy of W from
-    there on (that kernel does not reuse a weight across rows); it needs N % 16 == 0, else the copy serves every
-    row. `dequant` computes `F.linear` with W dequantized in the input's dtype (other devices, the
-    reference)."""
+    The weight is held as 4-bit codes plus one (scale, minimum) pair per group in float16, Q4_1's
+    own form: `W[n, k] = q[n, k] * scale[n, g] + minimum[n, g]` (for a model read from a Q4_1 GGUF,
+    the file's weights exactly). Kernels: `int4pack` (CPU) runs `cpu_kernels.int4_gemv` (int16
+    activations, AVX512-VNNI) up to `_INT4_GEMV_MAX_ROWS` rows; where that kernel does not run,
+    torch's `_weight_int4pack_mm_for_cpu` (bfloat16 activations and bfloat16 scales, at most ~1.6%
+    of a quantization step away) below `_INT4PACK_MAX_ROWS` rows; from there on a prepacked
+    bfloat16 copy of W (neither kernel reuses a weight across rows). Both kernels need N % 16 == 0,
+    else the copy serves every row. `dequant` computes `F.linear` with W dequantized in the input's
+    dtype (other devices, the reference)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int = INT4_GROUP_SIZE,
                  kernel: str | None = None):
@@ -267,25 +274,36 @@ class Int4Linear(_WeightOnlyLinear):
         if self.kernel == "int4pack" and not int4pack_available():
             raise ValueError("the int4pack kernel needs torch's _weight_int4pack_mm_for_cpu")
         q, scale, minimum = quantize_int4(weight, group_size)
-        scales_and_zeros = torch.stack([scale, minimum + 8 * scale], dim=-1).transpose(0, 1)   # [K/G, N, 2]
+        scale, minimum = scale.to(torch.float16), minimum.to(torch.float16)
         self.register_buffer("qweight", _pack_nibbles(q))
-        self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16).contiguous())
+        self.register_buffer("scale_min", torch.stack([scale, minimum], dim=-1))   # [N, K/G, 2] float16
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        use_int4mm = (self.kernel == "int4pack" and weight.device.type == "cpu"
-                      and self.out_features % 16 == 0 and group_size in _INT4PACK_GROUP_SIZES)
+        on_cpu = self.kernel == "int4pack" and weight.device.type == "cpu" and self.out_features % 16 == 0
+        use_gemv = on_cpu and group_size == 32 and cpu_kernels.int4_gemv_available()
+        self.register_buffer("packed_gemv", cpu_kernels.int4_gemv_pack(q, scale, minimum) if use_gemv else None,
+                             persistent=False)
+        self.gemv_bias = None if bias is None or not use_gemv else bias.detach().float().contiguous()
+        # torch's int4 kernel only where ours does not run (not a third copy of the weight)
+        use_int4mm = on_cpu and not use_gemv and group_size in _INT4PACK_GROUP_SIZES
         self.register_buffer("packed_int4", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             q.to(torch.int32).contiguous(), 1) if use_int4mm else None, persistent=False)
+        # its form: W = (q - 8) * scale + zero, zero = minimum + 8 * scale, [K/G, N, 2] bfloat16
+        zeros = minimum.float() + 8 * scale.float()
+        self.register_buffer("scales_and_zeros", torch.stack([scale.float(), zeros], dim=-1).transpose(0, 1)
+                             .to(torch.bfloat16).contiguous() if use_int4mm else None, persistent=False)
         self.packed_bf16 = self._pack_bf16() if self.kernel == "int4pack" else None
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight the codes stand for, `[N, K]` (what the int4 kernel computes with)."""
+        """The weight the codes stand for, `[N, K]` (what `int4_gemv` computes with)."""
         n, k, g = self.out_features, self.in_features, self.group_size
-        sz = self.scales_and_zeros.float().transpose(0, 1)                               # [N, K/G, 2]
-        q = _unpack_nibbles(self.qweight).reshape(n, k // g, g).float() - 8
-        return (q * sz[..., :1] + sz[..., 1:]).reshape(n, k).to(dtype)
+        sm = self.scale_min.float()                                                       # [N, K/G, 2]
+        q = _unpack_nibbles(self.qweight).reshape(n, k // g, g).float()
+        return (q * sm[..., :1] + sm[..., 1:]).reshape(n, k).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _rows(x)
+        if self.packed_gemv is not None and 1 <= x2.shape[0] <= _INT4_GEMV_MAX_ROWS:
+            return self._output(x, torch.ops.plait_cpu.int4_gemv(x2, self.packed_gemv, self.gemv_bias))
         if self.packed_int4 is not None and x2.shape[0] < _INT4PACK_MAX_ROWS:
             # bfloat16 activations: with float32 ones the kernel is ~20x slower.
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(

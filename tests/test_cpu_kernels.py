@@ -232,3 +232,46 @@ def test_gemv_rejects_what_it_does_not_take():
         torch.ops.plait_cpu.gemv(torch.randn(9, 64), w, None)
     with pytest.raises(RuntimeError, match="contiguous"):
         torch.ops.plait_cpu.gemv(torch.randn(1, 32), w[:, :32], None)
+
+
+def _int4_weight(n: int, k: int, g: torch.Generator):
+    """Random Q4_1-style codes with fp16 scales and minimums, and the weight they stand for."""
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    scale = (torch.rand(n, k // 32, generator=g) / 100).half().float()
+    minimum = (-8 * scale + torch.randn(n, k // 32, generator=g) / 1000).half().float()
+    w = q.double().reshape(n, k // 32, 32) * scale.double()[..., None] + minimum.double()[..., None]
+    return q, scale, minimum, w.reshape(n, k)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("x_dtype", DTYPES)
+@pytest.mark.parametrize("k", [32, 576, 1536])
+def test_int4_gemv_matches_linear(rows, x_dtype, k):
+    if not cpu_kernels.int4_gemv_available():
+        pytest.skip("no AVX512-VNNI")
+    g = torch.Generator().manual_seed(rows * k)
+    q, scale, minimum, w = _int4_weight(96, k, g)
+    packed = cpu_kernels.int4_gemv_pack(q, scale, minimum)
+    assert packed.shape == (6, k // 32, 320) and packed.dtype == torch.uint8
+    x = (torch.randn(rows, k, generator=g) * torch.rand(k, generator=g) * 10).to(x_dtype)   # uneven channels
+    bias = torch.randn(96, generator=g)
+    for b in (None, bias):
+        got = torch.ops.plait_cpu.int4_gemv(x, packed, b)
+        ref = F.linear(x.double(), w, None if b is None else b.double())
+        assert got.dtype == x_dtype and got.shape == (rows, 96)
+        err = (got.double() - ref).abs().max() / ref.abs().max()
+        # int16 activations: ~1e-5; then one bfloat16 rounding of the output
+        assert err < (1e-4 if x_dtype == torch.float32 else 2 ** -8), err
+
+
+def test_int4_gemv_rejects_what_it_does_not_take():
+    q, scale, minimum, _ = _int4_weight(16, 64, torch.Generator().manual_seed(0))
+    packed = cpu_kernels.int4_gemv_pack(q, scale, minimum)
+    with pytest.raises(RuntimeError, match="1..8"):
+        torch.ops.plait_cpu.int4_gemv(torch.randn(9, 64), packed, None)
+    with pytest.raises(RuntimeError, match=r"\[1..8, K\]"):
+        torch.ops.plait_cpu.int4_gemv(torch.randn(1, 96), packed, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        torch.ops.plait_cpu.int4_gemv(torch.randn(1, 64), packed, torch.randn(15))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu_kernels.int4_gemv_pack(q[:8], scale[:8], minimum[:8])

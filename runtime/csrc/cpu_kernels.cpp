@@ -661,6 +661,126 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 #endif
 }
 
+// ---- int4 weight GEMV on 16-bit activations: GGUF Q4_1's layers at decode batch sizes -------------
+// y[m, n] = sum_g d[n, g] * sum_{k in g} q[n, k] * x[m, k] + mn[n, g] * sum_{k in g} x[m, k], with
+// 4-bit codes q in groups of 32 along K and fp16 d, mn (Q4_1's own, so a GGUF model's weights are
+// the file's exactly). x is quantized to int16 per group of 32 (relative error ~1e-5, below
+// bfloat16's 4e-3); code x activation products are summed exactly in int32 by AVX512-VNNI
+// (vpdpwssd). The weight is laid out for this loop (`int4_gemv_pack` in cpu_kernels.py): 16 output
+// rows share a vector, one lane each, so a group's 16 dot products end as one vector with no
+// horizontal sums, and its scales are applied once per group, not per product. Per block of 16 rows
+// and group: 8 chunks of 32 bytes, byte i of chunk s holding row i/2's codes for k = 4s + i%2 (low
+// nibble) and 4s + 2 + i%2 (high nibble); then d[16] and mn[16] as fp16: 320 bytes per 512 weights,
+// streamed front to back. torch's int4 kernel (float32 FMAs on converted codes) is compute-bound
+// here; this is 3 instructions per 64 weights plus one dot product per 32 per row of x.
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PLAIT_INT4_GEMV 1
+constexpr int64_t kInt4GroupBytes = 320;
+
+// x [M, K] -> int16 per group of 32 (scale max|x| / 32767), the scales, and the groups' sums of x.
+template <typename T>
+void int4_quantize_x(const T* x, int64_t M, int64_t K, int16_t* xq, float* xs, float* xsum) {
+  const int64_t G = K / 32;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) {
+      const T* p = x + m * K + g * 32;
+      const __m512 a = load16(p), b = load16(p + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const float s = amax > 0.f ? amax / 32767.f : 1.f;
+      const __m512 inv = _mm512_set1_ps(1.f / s);
+      int16_t* q = xq + m * K + g * 32;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16),
+                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv))));
+      xs[m * G + g] = s;
+      xsum[m * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+    }
+  }
+}
+
+template <int M, typename O>
+void int4_gemv_blocks(const int16_t* xq, const float* xs, const float* xsum, const uint8_t* w, const float* bias,
+                      int64_t K, int64_t b0, int64_t b1, O* y, int64_t N) {
+  constexpr int C = M <= 2 ? 2 : 1;   // chains per row of x: a group is 16 dependent dot products
+  const int64_t G = K / 32;
+  const __m512i low4 = _mm512_set1_epi16(0x000F);
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* wb = w + b * G * kInt4GroupBytes;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* wg = wb + g * kInt4GroupBytes;
+      __m512i lo_acc[C][M], hi_acc[C][M];
+      for (int c = 0; c < C; ++c)
+        for (int m = 0; m < M; ++m) lo_acc[c][m] = hi_acc[c][m] = _mm512_setzero_si512();
+      for (int s = 0; s < 8; s += C) {
+        for (int c = 0; c < C; ++c) {
+          const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + (s + c) * 32)));
+          const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_srli_epi16(v, 4);
+          for (int m = 0; m < M; ++m) {
+            // x[4s + {0,1}] pairs with the low nibbles, x[4s + {2,3}] with the high ones
+            const int32_t* xp = reinterpret_cast<const int32_t*>(xq + m * K + g * 32 + (s + c) * 4);
+            lo_acc[c][m] = _mm512_dpwssd_epi32(lo_acc[c][m], lo, _mm512_set1_epi32(xp[0]));
+            hi_acc[c][m] = _mm512_dpwssd_epi32(hi_acc[c][m], hi, _mm512_set1_epi32(xp[1]));
+          }
+        }
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 256)));
+      const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 288)));
+      for (int m = 0; m < M; ++m) {
+        __m512i dot = _mm512_add_epi32(lo_acc[0][m], hi_acc[0][m]);
+        if (C == 2) dot = _mm512_add_epi32(dot, _mm512_add_epi32(lo_acc[C - 1][m], hi_acc[C - 1][m]));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(xs[m * G + g])), acc[m]);
+        acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[m * G + g]), acc[m]);
+      }
+    }
+    const __m512 bv = bias ? _mm512_loadu_ps(bias + b * 16) : _mm512_setzero_ps();
+    for (int m = 0; m < M; ++m) store16(y + m * N + b * 16, _mm512_add_ps(acc[m], bv));
+  }
+}
+#endif
+
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  check_cpu(x, "x");
+  check_cpu(w, "w");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(2) == 320,
+              "int4_gemv: w must be the packed uint8 [N/16, K/32, 320] of int4_gemv_pack");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1) * 32 && x.size(0) >= 1 && x.size(0) <= 8,
+              "int4_gemv: x must be [1..8, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "int4_gemv: x must be float32 or bfloat16");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                                    bias->numel() == w.size(0) * 16),
+              "int4_gemv: bias must be float32 [N]");
+#if defined(PLAIT_INT4_GEMV)
+  const int64_t M = x.size(0), K = x.size(1), G = K / 32, NB = w.size(0), N = NB * 16;
+  const at::Tensor xc = x.contiguous();
+  std::vector<int16_t> xq(M * K);
+  std::vector<float> xs(M * G), xsum(M * G);
+  if (x.scalar_type() == at::kBFloat16) int4_quantize_x(xc.data_ptr<c10::BFloat16>(), M, K, xq.data(), xs.data(), xsum.data());
+  else int4_quantize_x(xc.data_ptr<float>(), M, K, xq.data(), xs.data(), xsum.data());
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  auto run = [&](auto* yp) {
+    // each thread streams one contiguous run of blocks, a task at least ~64K weights
+    at::parallel_for(0, NB, grain(16 * K, 65536), [&](int64_t b0, int64_t b1) {
+      switch (M) {
+#define PLAIT_INT4_CASE(rows) \
+  case rows: int4_gemv_blocks<rows>(xq.data(), xs.data(), xsum.data(), wp, bp, K, b0, b1, yp, N); break;
+        PLAIT_INT4_CASE(1) PLAIT_INT4_CASE(2) PLAIT_INT4_CASE(3) PLAIT_INT4_CASE(4)
+        PLAIT_INT4_CASE(5) PLAIT_INT4_CASE(6) PLAIT_INT4_CASE(7) PLAIT_INT4_CASE(8)
+#undef PLAIT_INT4_CASE
+      }
+    });
+  };
+  if (x.scalar_type() == at::kBFloat16) run(y.data_ptr<c10::BFloat16>());
+  else run(y.data_ptr<float>());
+  return y;
+#else
+  TORCH_CHECK(false, "int4_gemv: this build has no AVX512-VNNI");
+#endif
+}
+
 bool has_gemv() {
 #if defined(PLAIT_GEMV)
   return true;
@@ -686,6 +806,7 @@ TORCH_LIBRARY(plait_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lens, float scale) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("int4_gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("has_vnni() -> bool");
   m.def("has_gemv() -> bool");
   m.def("kv_write_(Tensor(a!) pool_k, Tensor(b!) pool_v, Tensor slots, Tensor k, Tensor v, Tensor(c!)? mirror_k, "
@@ -704,5 +825,6 @@ TORCH_LIBRARY_IMPL(plait_cpu, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("int8_gemv", &int8_gemv);
   m.impl("gemv", &gemv);
+  m.impl("int4_gemv", &int4_gemv);
   m.impl("kv_write_", &kv_write_);
 }
