@@ -92,11 +92,12 @@ def sdpa_reference(q, k, v, lens, scale):
 
 
 @pytest.mark.parametrize("kv_dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 8])          # the AVX-512 path and the plain one
+@pytest.mark.parametrize("head_dim", [64, 128, 8])     # the AVX-512 paths and the plain one
 @pytest.mark.parametrize("rows,length", [(1, 37), (3, 300), (8, 1000)])
-def test_decode_attention_matches_sdpa(kv_dtype, head_dim, rows, length):
+# queries per KV head: 3 (SmolLM2), 1, 2, and 8 (scores in blocks of 3 + 3 + 2; values unrolled or not)
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 4), (16, 2)])
+def test_decode_attention_matches_sdpa(kv_dtype, head_dim, rows, length, heads, kv_heads):
     g = torch.Generator().manual_seed(rows * length + head_dim)
-    heads, kv_heads = 9, 3
     # Views into larger buffers, as the decode mirror hands them over: strided rows and positions.
     big_k = torch.randn(rows + 2, kv_heads, length + 50, head_dim, generator=g).to(kv_dtype)
     big_v = torch.randn(rows + 2, kv_heads, length + 50, head_dim, generator=g).to(kv_dtype)

@@ -239,36 +239,70 @@ inline void prefetch_row(const KV* p, int64_t D) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// The sums of 8 vectors' lanes, in key order: a transposing add tree (~3 instructions a vector)
+// instead of 8 horizontal reductions (~8 each), which had made the scores compute-bound.
+inline __m256 hsum8(const __m512* a) {
+  __m512 t[4], u[2];
+  for (int i = 0; i < 4; ++i)   // 128-bit quarters 0,1 of t[i]: a[2i]'s halves summed; 2,3: a[2i+1]'s
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)   // quarter q of u[i]: a[4i + q]'s 4 partial sums
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // quarter q: lanes (a[q], a[q+4], a[q], a[q+4]) with 2 partial sums each, then 1
+  const __m512 v = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
+  const __m512 w = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, w));
+}
+#endif
+
+#if defined(__AVX512F__)
+// scores of 8 keys for GN queries (rows of `scores`, stride len): each key chunk is loaded (and
+// widened) once for all of them; GN * 8 independent accumulators keep the FMA units busy.
+template <int GN, typename KV>
+inline void scores_block8(const float* q, const KV* k0, int64_t k_stride, int64_t D, __m512 vscale, float* scores,
+                          int64_t len) {
+  __m512 acc[GN][8];
+  for (int g = 0; g < GN; ++g)
+    for (int i = 0; i < 8; ++i) acc[g][i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    for (int i = 0; i < 8; ++i) {
+      const __m512 kd = load16(k0 + i * k_stride + d);
+      for (int g = 0; g < GN; ++g) acc[g][i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), kd, acc[g][i]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    _mm256_storeu_ps(scores + g * len, _mm256_mul_ps(hsum8(acc[g]), _mm512_castps512_ps256(vscale)));
+}
+#endif
+
 // scores[j] = scale * q . k_j for the G queries of one KV head (G rows of `scores`, stride len);
 // `v` (may be null): the values that come next, whose first rows are prefetched at the end.
 template <typename KV>
 void attention_scores(const float* q, const KV* k, int64_t k_stride, int64_t len, int64_t G, int64_t D,
                       float scale, float* scores, const KV* v = nullptr, int64_t v_stride = 0) {
 #if defined(__AVX512F__)
-  if (D % 16 == 0 && G <= 8) {
-    // Four keys at a time: 4 * G independent accumulators keep the FMA units busy.
+  if (D % 16 == 0) {
+    // Blocks of 8 keys for up to 3 queries at once: each key chunk is loaded (and widened) once
+    // for all of them, 24 independent accumulators keep the FMA units busy.
+    const __m512 vscale = _mm512_set1_ps(scale);
     int64_t j = 0;
-    for (; j + 4 <= len; j += 4) {
+    for (; j + 8 <= len; j += 8) {
       const KV* k0 = k + j * k_stride;
-      for (int64_t r = j + kPrefetchRows; r < j + kPrefetchRows + 4; ++r) {
+      for (int64_t r = j + kPrefetchRows; r < j + kPrefetchRows + 8; ++r) {
         if (r < len) prefetch_row(k + r * k_stride, D);
         else if (v != nullptr && r - len < len) prefetch_row(v + (r - len) * v_stride, D);
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = q + g * D;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t d = 0; d < D; d += 16) {
-          const __m512 qd = _mm512_loadu_ps(qg + d);
-          a0 = _mm512_fmadd_ps(qd, load16(k0 + d), a0);
-          a1 = _mm512_fmadd_ps(qd, load16(k0 + k_stride + d), a1);
-          a2 = _mm512_fmadd_ps(qd, load16(k0 + 2 * k_stride + d), a2);
-          a3 = _mm512_fmadd_ps(qd, load16(k0 + 3 * k_stride + d), a3);
+      for (int64_t g0 = 0; g0 < G; g0 += 3) {
+        const float* qg = q + g0 * D;
+        float* sg = scores + g0 * len + j;
+        switch (std::min<int64_t>(3, G - g0)) {
+          case 3: scores_block8<3>(qg, k0, k_stride, D, vscale, sg, len); break;
+          case 2: scores_block8<2>(qg, k0, k_stride, D, vscale, sg, len); break;
+          default: scores_block8<1>(qg, k0, k_stride, D, vscale, sg, len); break;
         }
-        float* sg = scores + g * len + j;
-        sg[0] = _mm512_reduce_add_ps(a0) * scale;
-        sg[1] = _mm512_reduce_add_ps(a1) * scale;
-        sg[2] = _mm512_reduce_add_ps(a2) * scale;
-        sg[3] = _mm512_reduce_add_ps(a3) * scale;
       }
     }
     for (; j < len; ++j) {
@@ -316,28 +350,40 @@ inline void softmax_inplace(float* s, int64_t len) {
   for (j = 0; j < len; ++j) s[j] *= inv;
 }
 
+#if defined(__AVX512F__)
+// acc[g] = sum_j p[g][j] * v_j with all G queries' accumulators in registers (G and the D / 16
+// chunks known at compile time: indexed at run time, the array lived on the stack); v_j read once.
+template <int G, int CH, typename KV>
+void values_in_registers(const float* p, const KV* v, int64_t v_stride, int64_t len, float* acc) {
+  __m512 a[G][CH];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CH; ++c) a[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < len; ++j) {
+    const KV* vj = v + j * v_stride;
+    if (j + kPrefetchRows < len) prefetch_row(vj + kPrefetchRows * v_stride, 16 * CH);
+    __m512 pg[G];
+    for (int g = 0; g < G; ++g) pg[g] = _mm512_set1_ps(p[g * len + j]);
+    for (int c = 0; c < CH; ++c) {
+      const __m512 vc = load16(vj + 16 * c);
+      for (int g = 0; g < G; ++g) a[g][c] = _mm512_fmadd_ps(pg[g], vc, a[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CH; ++c) _mm512_storeu_ps(acc + g * 16 * CH + 16 * c, a[g][c]);
+}
+#endif
+
 // acc[g] = sum_j p[g][j] * v_j for the G queries.
 template <typename KV>
 void attention_values(const float* p, const KV* v, int64_t v_stride, int64_t len, int64_t G, int64_t D, float* acc) {
-  std::fill(acc, acc + G * D, 0.f);
 #if defined(__AVX512F__)
-  if (D % 16 == 0 && G * D <= 512) {   // all G queries' accumulators in registers; v_j read once
-    __m512 a[32];
-    const int64_t chunks = D / 16;
-    for (int64_t i = 0; i < G * chunks; ++i) a[i] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < len; ++j) {
-      const KV* vj = v + j * v_stride;
-      if (j + kPrefetchRows < len) prefetch_row(vj + kPrefetchRows * v_stride, D);
-      for (int64_t c = 0; c < chunks; ++c) {
-        const __m512 vc = load16(vj + 16 * c);
-        for (int64_t g = 0; g < G; ++g) a[g * chunks + c] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * len + j]), vc, a[g * chunks + c]);
-      }
-    }
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, a[g * chunks + c]);
-    return;
-  }
+#define PLAIT_VALUES(g, ch) \
+  if (G == g && D == 16 * ch) return values_in_registers<g, ch>(p, v, v_stride, len, acc);
+  PLAIT_VALUES(1, 4) PLAIT_VALUES(2, 4) PLAIT_VALUES(3, 4) PLAIT_VALUES(4, 4) PLAIT_VALUES(5, 4) PLAIT_VALUES(6, 4)
+  PLAIT_VALUES(1, 8) PLAIT_VALUES(2, 8) PLAIT_VALUES(3, 8) PLAIT_VALUES(4, 8)
+#undef PLAIT_VALUES
 #endif
+  std::fill(acc, acc + G * D, 0.f);
   for (int64_t j = 0; j < len; ++j) {
     const KV* vj = v + j * v_stride;
     for (int64_t g = 0; g < G; ++g) {
