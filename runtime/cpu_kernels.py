@@ -1,7 +1,8 @@
 """Fused CPU kernels for the decoder's small ops (`csrc/cpu_kernels.cpp`): RMSNorm (with the residual
 add), RoPE, the step's K/V writes into the pool and the decode mirror, and decode attention, each one
-op instead of 6-10 aten ops; `gemv`, the float32 / bfloat16 projections at decode's few rows (each thread
-streams its own contiguous run of weight rows, bfloat16 by AVX512-BF16 dot products; `prepack.py`);
+op instead of 6-10 aten ops; `small_gemm`, the float32 / bfloat16 projections at decode's batch sizes
+(weights in panels of 32 output columns, 12 rows of x against a panel at a time, bfloat16 by AVX512-BF16
+dot products; `prepack.py`);
 `int8_gemv`, the AVX512-VNNI int8 LM head, and `int4_gemv`, int4 (GGUF Q4_1) layers at decode's few
 rows on int16 activations, also by VNNI (`quantization.py`).
 
@@ -159,10 +160,29 @@ def int4_gemv_available() -> bool:
     return vnni_available()
 
 
-def gemv_available() -> bool:
-    """Whether `torch.ops.plait_cpu.gemv` (float32 / bfloat16 weights, 1-8 rows) runs its AVX-512
-    loop here: kernels built (`load()` called) for a CPU with AVX512BW/VL."""
-    return _state.get("ok", False) is True and bool(torch.ops.plait_cpu.has_gemv())
+def small_gemm_available(dtype: torch.dtype) -> bool:
+    """Whether `torch.ops.plait_cpu.small_gemm` (1-64 rows on weights packed by `pack_panels`) runs
+    here for `dtype`: kernels built (`load()` called) for a CPU with AVX512BW/VL, and AVX512-BF16 for
+    bfloat16."""
+    return (_state.get("ok", False) is True and dtype in (torch.float32, torch.bfloat16)
+            and bool(torch.ops.plait_cpu.has_small_gemm(dtype == torch.bfloat16)))
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 / bfloat16 weight `[N, K]` in `small_gemm`'s panels of 32 output columns, k-major:
+    float32 `[ceil(N/32), K, 32]`, bfloat16 `[ceil(N/32), K/2, 32, 2]` (pairs of k; K must be even);
+    the last panel's missing columns are zeros."""
+    n, k = weight.shape
+    if weight.dtype == torch.bfloat16 and k % 2:
+        raise ValueError(f"pack_panels: a bfloat16 weight needs an even K, got {k}")
+    w = weight.detach()
+    pad = -n % 32
+    if pad:
+        w = torch.cat([w, w.new_zeros(pad, k)])
+    panels = w.reshape(-1, 32, k)
+    if weight.dtype == torch.bfloat16:
+        return panels.reshape(-1, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return panels.transpose(1, 2).contiguous()
 
 
 def int4_gemv_pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,10 @@
 
 On this class of CPU a prepacked oneDNN matmul is 1.3-2.3x faster than `F.linear` (MKL) for the
 small-M shapes of decoding (measured for M=8..256, K=576, float32 and bfloat16), the same trick
-torch.compile's freezing pass uses. Decode's few rows (`GEMV_MAX_ROWS`) only stream the weight,
-which oneDNN does on one core: those go through `cpu_kernels.gemv` on the plain weight instead. Only the CPU path; GPUs
-keep `nn.Linear`.
+torch.compile's freezing pass uses. Decode's batch sizes (up to `SMALL_GEMM_MAX_ROWS` rows) go
+through `cpu_kernels.small_gemm` on a second copy of the weight in 32-column panels instead: it
+streams the weight at the machine's bandwidth at one row (oneDNN runs that on one core) and runs
+~20-30% faster than oneDNN's GEMM up to 32 rows. Only the CPU path; GPUs keep `nn.Linear`.
 """
 from __future__ import annotations
 
@@ -26,44 +27,46 @@ def prepack_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-# Up to this many rows (decode's batch sizes) `cpu_kernels.gemv` streams the plain weight; above,
-# oneDNN's prepacked GEMM. Whole SmolLM2 decode steps, arms alternating in one process (2 threads,
-# load 0.9-1.5), ms gemv vs oneDNN: float32 batch 1 15.5 vs 17.4, 2 15.7 vs 18.1, 3 18.0 vs 19.6,
-# 4 17.9 vs 18.2-18.3, 6 20.9 vs 19.7, 8 28.2 vs 21.4; bfloat16 (dot-product instructions) 1 9.5 vs
-# 11.6, 2 9.7 vs 11.9, 4 11.2-11.6 vs 12.8-13.1, 6 12.9 vs 14.6, 8 14.1 vs 16.0.
-GEMV_MAX_ROWS = {torch.float32: 4, torch.bfloat16: 8}
+# Up to this many rows (decode's batch sizes) `cpu_kernels.small_gemm` on the weight's panels; above,
+# oneDNN's prepacked GEMM (prefill). SmolLM2's 120 layer matrices, 2 threads, weights out of cache
+# (load ~1), ms small_gemm vs oneDNN (vs the row-streaming GEMV this replaced): float32 1 row
+# 11.8 vs 15.5 (12.0), 4 rows 11.8 vs 13.6 (12.3), 8 rows 11.7 vs 15.2 (20.9), 16 16.5 vs 18.8,
+# 32 24.0 vs 28.8, 64 46.5 vs 45.5; bfloat16 1 row 5.4 vs 8.6 (5.9), 4 5.2 vs 8.3 (5.8), 8 5.8 vs
+# 9.2 (6.8), 16 8.5 vs 11.3, 32 12.4 vs 16.2, 64 23.2 vs 26.0. Whole SmolLM2 decode steps, arms
+# alternating in one process (load ~1.8), ms min small_gemm vs oneDNN: float32 batch 8 18.9 vs 25.3,
+# 32 45.1 vs 50.0, 64 82.4 vs 78.8; bfloat16 batch 8 12.6 vs 15.0, 32 27.9 vs 30.4, 64 50.9 vs 52.9.
+SMALL_GEMM_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 64}
 
 
 class PackedLinear(nn.Module):
-    """`y = x @ W.T + b` with W held in oneDNN's blocked layout, and (`small_rows`) also as it
-    is, for decode's few rows."""
+    """`y = x @ W.T + b` with W held in oneDNN's blocked layout, and (`small_rows`) also in
+    `small_gemm`'s panels, for decode's batch sizes."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, small_rows: bool = True):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
         self.bias = None if bias is None else bias.detach().clone()
-        # A GEMV only streams the weight, and oneDNN's (and MKL's) runs on one core or reorders
-        # for compute: up to GEMV_MAX_ROWS rows go through `cpu_kernels.gemv` on the plain weight
-        # (a second copy of it; none for a tied LM head, which is the embedding). Without that
-        # kernel, a float32 single row goes through bmm with the weight viewed as [2, N/2, K],
-        # whose two halves run on two cores (46 -> 38 ms a batch-1 step, on an earlier machine).
-        self.rows_weight = weight.detach().contiguous() if small_rows else None
-        gemv = small_rows and weight.dtype in GEMV_MAX_ROWS and cpu_kernels.gemv_available()
-        self.gemv_rows = GEMV_MAX_ROWS[weight.dtype] if gemv else 0
+        small = (small_rows and cpu_kernels.small_gemm_available(weight.dtype)
+                 and (weight.dtype == torch.float32 or self.in_features % 2 == 0))
+        self.panels = cpu_kernels.pack_panels(weight) if small else None
+        self.small_rows = SMALL_GEMM_MAX_ROWS[weight.dtype] if small else 0
         # the kernel adds a float32 bias: converted once here, not on every call
-        self.gemv_bias = None if self.bias is None or not gemv else self.bias.float()
+        self.small_bias = None if self.bias is None or not small else self.bias.float()
+        # Without that kernel, a float32 single row goes through bmm with the weight viewed as
+        # [2, N/2, K], whose two halves run on two cores (oneDNN's GEMV runs on one; 46 -> 38 ms a
+        # batch-1 step, on an earlier machine).
         self.halves = None
-        if (small_rows and not gemv and weight.dtype == torch.float32 and self.out_features % 2 == 0
+        if (small_rows and not small and weight.dtype == torch.float32 and self.out_features % 2 == 0
                 and torch.get_num_threads() > 1):
-            self.halves = self.rows_weight.view(2, self.out_features // 2, self.in_features)
+            self.halves = weight.detach().contiguous().view(2, self.out_features // 2, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.dim() == 2   # the model's case: no reshapes (at batch 1 every op here costs)
         x2 = x if flat else x.reshape(-1, x.shape[-1])
         rows = x2.shape[0]
-        if 1 <= rows <= self.gemv_rows:
-            y = torch.ops.plait_cpu.gemv(x2, self.rows_weight, self.gemv_bias)
+        if 1 <= rows <= self.small_rows and x2.dtype == self.panels.dtype:
+            y = torch.ops.plait_cpu.small_gemm(x2, self.panels, self.small_bias, self.out_features)
         elif self.halves is not None and rows == 1 and x2.is_contiguous():
             # [2, N/2, K] @ [2, K, 1] -> [2, N/2, 1], which is the [1, N] row as it lies
             # (x as [K, 1] with strides (1, K): the layout bmm's fast path takes)

@@ -206,33 +206,42 @@ def test_int8_linear_vnni_gemv_rows():
     assert lin(torch.randn(0, 128)).shape == (0, 256)   # no rows (a step with no logits to take)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 8])
-@pytest.mark.parametrize("w_dtype", DTYPES)
-@pytest.mark.parametrize("x_dtype", DTYPES)
-@pytest.mark.parametrize("k", [64, 200, 576])   # 200: a tail of 8 after the 32-wide (bf16: 64-wide) loop
-def test_gemv_matches_linear(rows, w_dtype, x_dtype, k):
-    if not cpu_kernels.gemv_available():
-        pytest.skip("no AVX512BW/VL")
+@pytest.mark.parametrize("rows", [1, 2, 5, 12, 13, 32, 64])   # row blocks of up to 12: 1, 2, 3 and 6 of them
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(96, 64), (1000, 200), (64, 576)])   # 1000: a last panel of 8 columns
+def test_small_gemm_matches_linear(rows, dtype, n, k):
+    if not cpu_kernels.small_gemm_available(dtype):
+        pytest.skip("no AVX512BW/VL (or BF16)")
     g = torch.Generator().manual_seed(rows * k)
-    w = torch.randn(1000, k, generator=g).to(w_dtype)
-    x = torch.randn(rows, k, generator=g).to(x_dtype)
-    bias = torch.randn(1000, generator=g)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g)
+    panels = cpu_kernels.pack_panels(w)
+    assert panels.shape[0] == -(-n // 32) and panels.numel() == panels.shape[0] * 32 * k
     for b in (None, bias):
-        got = torch.ops.plait_cpu.gemv(x, w, b)
+        got = torch.ops.plait_cpu.small_gemm(x, panels, b, n)
         ref = F.linear(x.double(), w.double(), None if b is None else b.double())
-        assert got.dtype == x_dtype and got.shape == (rows, 1000)
-        if x_dtype == torch.float32:   # float32 sums in another order
+        assert got.dtype == dtype and got.shape == (rows, n)
+        if dtype == torch.float32:   # float32 sums in another order
             torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
-        else:                          # then one bfloat16 rounding of the output
+        else:                        # exact products, float32 sums, one bfloat16 rounding of the output
             torch.testing.assert_close(got.double(), ref, rtol=2 ** -8, atol=1e-3)
 
 
-def test_gemv_rejects_what_it_does_not_take():
-    w = torch.randn(8, 64)
-    with pytest.raises(RuntimeError, match="1..8"):
-        torch.ops.plait_cpu.gemv(torch.randn(9, 64), w, None)
-    with pytest.raises(RuntimeError, match="contiguous"):
-        torch.ops.plait_cpu.gemv(torch.randn(1, 32), w[:, :32], None)
+def test_small_gemm_rejects_what_it_does_not_take():
+    w = torch.randn(40, 64)
+    panels = cpu_kernels.pack_panels(w)
+    assert panels.shape == (2, 64, 32) and (panels[1, :, 8:] == 0).all()   # padding columns
+    with pytest.raises(RuntimeError, match="1..64"):
+        torch.ops.plait_cpu.small_gemm(torch.randn(65, 64), panels, None, 40)
+    with pytest.raises(RuntimeError, match="N does not fit"):
+        torch.ops.plait_cpu.small_gemm(torch.randn(1, 64), panels, None, 70)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        torch.ops.plait_cpu.small_gemm(torch.randn(1, 64).bfloat16(), panels, None, 40)
+    with pytest.raises(RuntimeError, match="panels"):
+        torch.ops.plait_cpu.small_gemm(torch.randn(1, 64), w, None, 40)
+    with pytest.raises(ValueError, match="even K"):
+        cpu_kernels.pack_panels(torch.randn(32, 63).bfloat16())
 
 
 def _int4_weight(n: int, k: int, g: torch.Generator):

@@ -168,31 +168,37 @@ def test_smollm2_bfloat16_close_to_float32(smollm2_path, prompts):
     assert torch.nn.functional.cosine_similarity(got, ref, dim=-1).min() > 0.99
 
 
-@pytest.mark.parametrize("rows", [1, 8, 9])
+@pytest.mark.parametrize("rows", [1, 8, 64, 65])
 def test_packed_linear_bfloat16_rows(rows):
-    """bfloat16: up to 8 rows through the gemv kernel's dot products, more through oneDNN; both
+    """bfloat16: up to 64 rows through small_gemm's dot products, more through oneDNN; both
     F.linear's product up to one bfloat16 rounding of the output."""
     from plait.runtime.prepack import PackedLinear, prepack_available
     if not prepack_available():
         pytest.skip("this torch has no oneDNN prepacked linear")
+    assert cpu_kernels.load()
     torch.manual_seed(1)
     w, x, b = torch.randn(96, 192).bfloat16(), torch.randn(rows, 192).bfloat16(), torch.randn(96).bfloat16()
     lin = PackedLinear(w, b)
-    assert lin.gemv_rows == (8 if cpu_kernels.gemv_available() else 0)
+    assert lin.small_rows == (64 if cpu_kernels.small_gemm_available(torch.bfloat16) else 0)
     got, ref = lin(x), torch.nn.functional.linear(x.float(), w.float(), b.float())
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), ref, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("rows", [1, 3, 32, 33])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_single_row_gemv(rows, bias):
-    """Up to 4 float32 rows go through the gemv kernel where it runs, else (one row,
-    two threads) the two-core batched GEMV (both halves of the output, in order); more rows
-    through oneDNN's GEMM: all equal F.linear."""
+@pytest.mark.parametrize("small_gemm", [True, False])
+def test_packed_linear_float32_rows(rows, bias, small_gemm, monkeypatch):
+    """Up to 32 float32 rows go through small_gemm where it runs, else (one row, two threads) the
+    two-core batched GEMV (both halves of the output, in order); more rows through oneDNN's GEMM:
+    all equal F.linear."""
     from plait.runtime.prepack import PackedLinear, prepack_available
     if not prepack_available():
         pytest.skip("this torch has no oneDNN prepacked linear")
+    assert cpu_kernels.load()
+    if small_gemm and not cpu_kernels.small_gemm_available(torch.float32):
+        pytest.skip("no AVX512BW/VL")
+    monkeypatch.setattr(cpu_kernels, "small_gemm_available", lambda dtype: small_gemm)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -200,10 +206,10 @@ def test_packed_linear_single_row_gemv(rows, bias):
         w, x = torch.randn(96, 64), torch.randn(rows, 64)
         b = torch.randn(96) if bias else None
         lin = PackedLinear(w, b)
-        if cpu_kernels.gemv_available():
-            assert lin.gemv_rows == 4 and lin.halves is None
+        if small_gemm:
+            assert lin.small_rows == 32 and lin.halves is None and lin.panels is not None
         else:
-            assert lin.halves is not None and lin.halves.shape == (2, 48, 64)
+            assert lin.panels is None and lin.halves is not None and lin.halves.shape == (2, 48, 64)
         torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lin(x[None]), torch.nn.functional.linear(x, w, b)[None], atol=1e-5, rtol=1e-5)
     finally:

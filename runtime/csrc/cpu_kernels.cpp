@@ -49,12 +49,7 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
-#define PLAIT_GEMV 1
-inline __m512 load16_masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16_masked(const c10::BFloat16* p, __mmask16 m) {
-  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+#define PLAIT_AVX512BW_VL 1   // masked 16-bit stores
 #endif
 // float32 -> bfloat16 bits, round to nearest even, NaN -> 0x7FC0: what c10::BFloat16(float) does.
 inline __m256i to_bf16_bits(__m512 f) {
@@ -518,135 +513,145 @@ void kv_write_(at::Tensor pool_k, at::Tensor pool_v, const at::Tensor& slots, co
 #undef PLAIT_KV_WRITE
 }
 
-// ---- float32 / bfloat16 weight GEMV: the projections at decode batch sizes ----------------------
-// y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for up to 8 rows of x, summed in float32, the
-// weight streamed once for all rows. oneDNN and MKL run a small-M product on one core, or reorder
-// it for compute; here each thread streams one contiguous run of W's rows front to back (the
-// hardware prefetcher's best case: interleaving 4 rows' short streams read ~35% slower on an
-// earlier machine),
-// so reading memory is the limit. bfloat16 x and W (a bfloat16 model): AVX512-BF16 dot products,
-// 32 exact products an instruction (widening W to float32 in registers made it compute-bound:
-// SmolLM2's bfloat16 decode step 11.3 ms, barely under float32's 12.0); otherwise float32 FMAs.
-#if defined(PLAIT_GEMV)
-template <int M, typename W, typename O>
-void gemv_rows(const float* x, const W* w, const float* bias, int64_t K, int64_t n0, int64_t n1, O* y, int64_t N) {
-  const int64_t full = K / 32 * 32;
-  for (int64_t n = n0; n < n1; ++n) {
-    const W* wn = w + n * K;
-    __m512 a0[M], a1[M];   // two chains per row of x: an FMA's latency is 4 cycles
-    for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k < full; k += 32) {
-      const __m512 w0 = load16(wn + k), w1 = load16(wn + k + 16);
-      for (int m = 0; m < M; ++m) {
-        a0[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k), w0, a0[m]);
-        a1[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k + 16), w1, a1[m]);
-      }
-    }
-    for (; k < K; k += 16) {
-      const __mmask16 mask = K - k >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (K - k)) - 1);
-      const __m512 wv = load16_masked(wn + k, mask);
-      for (int m = 0; m < M; ++m) a0[m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + m * K + k), wv, a0[m]);
-    }
-    const float b = bias ? bias[n] : 0.f;
-    for (int m = 0; m < M; ++m) y[m * N + n] = static_cast<O>(_mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m])) + b);
-  }
+// ---- float32 / bfloat16 small-M GEMM: the projections at decode batch sizes ----------------------
+// y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for up to 64 rows of x, summed in float32. The weight
+// is held in panels of 32 output columns, k-major (`pack_panels` in cpu_kernels.py): float32
+// [N/32, K, 32], bfloat16 [N/32, K/2, 32, 2] (pairs of k, as AVX512-BF16's dot product takes them).
+// A row block of up to 12 rows of x runs over a panel with 24 accumulators: per k (pair) two
+// loads of the weight, one broadcast and two FMAs (dot products) per row, no horizontal sums. At
+// one row that streams the weight at the machine's bandwidth; from ~8 rows it is compute-bound at
+// ~85% of the FMA peak, where oneDNN's GEMM (packed for large M) reached ~60% on these shapes and
+// ran a single row on one core. Each thread streams its own run of panels; a panel's second and
+// third row blocks read it from L2, so while it computes, each block prefetches its share of the
+// next panel (without that the first pass waited on memory: ~30% slower at 32 rows).
+#if defined(PLAIT_AVX512BW_VL)
+#define PLAIT_SMALL_GEMM 1
+constexpr int64_t kPanel = 32;          // output columns per panel
+constexpr int64_t kRowBlock = 12;       // rows of x per pass: 24 accumulators + 2 weights + 1 broadcast
+constexpr int64_t kSmallGemmRows = 64;
+
+inline void store_cols(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store_cols(c10::BFloat16* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, to_bf16_bits(v));
 }
 
+// Lines [k * lines / K, (k + 1) * lines / K) of `pf`: a region spread evenly over a K-long loop.
+inline void prefetch_share(const char* pf, int64_t lines, int64_t k, int64_t K) {
+  for (int64_t i = k * lines / K, e = (k + 1) * lines / K; i < e; ++i) _mm_prefetch(pf + 64 * i, _MM_HINT_T1);
+}
+
+// MR rows of x against one panel: 32 output columns, `cols` of them real (the last panel's may be
+// padding); bias (float32, may be null) at this panel's first column.
+template <int MR, typename T, typename O>
+inline void panel_rows(const T* x, int64_t K, const T* w, const float* bias, O* y, int64_t N, int64_t cols,
+                       const char* pf, int64_t pf_lines) {
+  __m512 a0[MR], a1[MR];
+  for (int m = 0; m < MR; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+  if constexpr (std::is_same<T, float>::value) {
+    for (int64_t k = 0; k < K; ++k) {
+      prefetch_share(pf, pf_lines, k, K);
+      const __m512 w0 = _mm512_loadu_ps(w + k * kPanel), w1 = _mm512_loadu_ps(w + k * kPanel + 16);
+      for (int m = 0; m < MR; ++m) {
+        const __m512 b = _mm512_set1_ps(x[m * K + k]);
+        a0[m] = _mm512_fmadd_ps(b, w0, a0[m]);
+        a1[m] = _mm512_fmadd_ps(b, w1, a1[m]);
+      }
+    }
+  } else {
 #if defined(__AVX512BF16__)
-#define PLAIT_GEMV_BF16 1
-inline __m512bh bf16x32(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
-inline __m512bh bf16x32(const c10::BFloat16* p, __mmask32 m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
-
-template <int M>
-void gemv_rows_bf16(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias, int64_t K, int64_t n0,
-                    int64_t n1, c10::BFloat16* y, int64_t N) {
-  const int64_t full = K / 64 * 64;
-  for (int64_t n = n0; n < n1; ++n) {
-    const c10::BFloat16* wn = w + n * K;
-    __m512 a0[M], a1[M];
-    for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k < full; k += 64) {
-      const __m512bh w0 = bf16x32(wn + k), w1 = bf16x32(wn + k + 32);
-      for (int m = 0; m < M; ++m) {
-        a0[m] = _mm512_dpbf16_ps(a0[m], w0, bf16x32(x + m * K + k));
-        a1[m] = _mm512_dpbf16_ps(a1[m], w1, bf16x32(x + m * K + k + 32));
+    const int64_t K2 = K / 2;
+    for (int64_t k = 0; k < K2; ++k) {
+      prefetch_share(pf, pf_lines, k, K2);
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k * 2 * kPanel);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + k * 2 * kPanel + 32);
+      for (int m = 0; m < MR; ++m) {   // x[m, 2k], x[m, 2k + 1] as one 32-bit lane
+        const __m512bh b = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + m * K + 2 * k));
+        a0[m] = _mm512_dpbf16_ps(a0[m], b, w0);
+        a1[m] = _mm512_dpbf16_ps(a1[m], b, w1);
       }
     }
-    for (; k < K; k += 32) {
-      const __mmask32 mask = K - k >= 32 ? ~static_cast<__mmask32>(0) : static_cast<__mmask32>((1u << (K - k)) - 1);
-      const __m512bh wv = bf16x32(wn + k, mask);
-      for (int m = 0; m < M; ++m) a0[m] = _mm512_dpbf16_ps(a0[m], wv, bf16x32(x + m * K + k, mask));
+#endif
+  }
+  const __mmask16 m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+  for (int m = 0; m < MR; ++m) {
+    store_cols(y + m * N, _mm512_add_ps(a0[m], b0), m0);
+    store_cols(y + m * N + 16, _mm512_add_ps(a1[m], b1), m1);
+  }
+}
+
+template <typename T, typename O>
+void small_gemm_panels(const T* x, int64_t M, int64_t K, const T* w, const float* bias, O* y, int64_t N,
+                       int64_t p0, int64_t p1) {
+  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t panel_lines = K * kPanel * static_cast<int64_t>(sizeof(T)) / 64;
+  const int64_t share = (panel_lines + blocks - 1) / blocks;   // of the next panel, per row block
+  for (int64_t p = p0; p < p1; ++p) {
+    const T* wp = w + p * K * kPanel;
+    const int64_t cols = std::min<int64_t>(kPanel, N - p * kPanel);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t r0 = b * M / blocks, r1 = (b + 1) * M / blocks;
+      const char* pf = reinterpret_cast<const char*>(wp + K * kPanel) + 64 * share * b;
+      const int64_t lines = p + 1 < p1 ? std::max<int64_t>(0, std::min(share, panel_lines - share * b)) : 0;
+      const float* bp = bias ? bias + p * kPanel : nullptr;
+      O* yp = y + r0 * N + p * kPanel;
+      switch (r1 - r0) {
+#define PLAIT_PANEL_ROWS(rows) \
+  case rows: panel_rows<rows>(x + r0 * K, K, wp, bp, yp, N, cols, pf, lines); break;
+        PLAIT_PANEL_ROWS(1) PLAIT_PANEL_ROWS(2) PLAIT_PANEL_ROWS(3) PLAIT_PANEL_ROWS(4)
+        PLAIT_PANEL_ROWS(5) PLAIT_PANEL_ROWS(6) PLAIT_PANEL_ROWS(7) PLAIT_PANEL_ROWS(8)
+        PLAIT_PANEL_ROWS(9) PLAIT_PANEL_ROWS(10) PLAIT_PANEL_ROWS(11) PLAIT_PANEL_ROWS(12)
+#undef PLAIT_PANEL_ROWS
+      }
     }
-    const float b = bias ? bias[n] : 0.f;
-    for (int m = 0; m < M; ++m) y[m * N + n] = c10::BFloat16(_mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m])) + b);
   }
 }
 #endif
 
-// Each thread streams one contiguous run of rows (a task reads at least ~64 KB of weights).
-template <typename Rows>
-void gemv_split(int64_t M, int64_t K, int64_t N, Rows rows) {
-  at::parallel_for(0, N, grain(K, 16384), [&](int64_t n0, int64_t n1) {
-    switch (M) {
-      case 1: rows(std::integral_constant<int, 1>(), n0, n1); break;
-      case 2: rows(std::integral_constant<int, 2>(), n0, n1); break;
-      case 3: rows(std::integral_constant<int, 3>(), n0, n1); break;
-      case 4: rows(std::integral_constant<int, 4>(), n0, n1); break;
-      case 5: rows(std::integral_constant<int, 5>(), n0, n1); break;
-      case 6: rows(std::integral_constant<int, 6>(), n0, n1); break;
-      case 7: rows(std::integral_constant<int, 7>(), n0, n1); break;
-      default: rows(std::integral_constant<int, 8>(), n0, n1); break;
-    }
-  });
-}
+bool has_small_gemm(bool bf16) {
+#if defined(PLAIT_SMALL_GEMM) && defined(__AVX512BF16__)
+  return true;
+#elif defined(PLAIT_SMALL_GEMM)
+  return !bf16;
+#else
+  return false;
 #endif
+}
 
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t N) {
   check_cpu(x, "x");
   check_cpu(w, "w");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
-              "gemv: w must be contiguous float32 or bfloat16 [N, K]");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1) && x.size(0) >= 1 && x.size(0) <= 8,
-              "gemv: x must be [1..8, K]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "gemv: x must be float32 or bfloat16");
-  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == w.size(0)), "gemv: bias must be [N]");
-#if defined(PLAIT_GEMV)
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  at::Tensor bf;   // float32 bias, or none
-  if (bias.has_value()) bf = bias->to(at::kFloat).contiguous();
-  const float* bp = bias.has_value() ? bf.data_ptr<float>() : nullptr;
-  at::Tensor y = at::empty({M, N}, x.options());
-#if defined(PLAIT_GEMV_BF16)
-  if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16) {
-    const at::Tensor xc = x.contiguous();
+  const bool bf16 = w.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(w.is_contiguous() && ((w.scalar_type() == at::kFloat && w.dim() == 3 && w.size(2) == 32) ||
+                                    (bf16 && w.dim() == 4 && w.size(2) == 32 && w.size(3) == 2)),
+              "small_gemm: w must be the panels of pack_panels (float32 [N/32, K, 32] or bfloat16 [N/32, K/2, 32, 2])");
+  const int64_t K = bf16 ? 2 * w.size(1) : w.size(1), P = w.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.size(0) >= 1 && x.size(0) <= 64, "small_gemm: x must be [1..64, K]");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "small_gemm: x and w must have one dtype");
+  TORCH_CHECK(N > (P - 1) * 32 && N <= P * 32, "small_gemm: N does not fit the panels");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
+              "small_gemm: bias must be float32 [N]");
+  TORCH_CHECK(has_small_gemm(bf16), "small_gemm: this build has no AVX-512 ", bf16 ? "BF16 " : "", "path");
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+#if defined(PLAIT_SMALL_GEMM)
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0);
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  // each thread streams its own run of panels, a task at least ~64 KB of weights
+  const int64_t grain = std::max<int64_t>(1, 65536 / (K * kPanel * static_cast<int64_t>(w.element_size())));
+  if (bf16) {
     const c10::BFloat16 *xp = xc.data_ptr<c10::BFloat16>(), *wp = w.data_ptr<c10::BFloat16>();
     c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
-    gemv_split(M, K, N, [&](auto rows, int64_t n0, int64_t n1) {
-      gemv_rows_bf16<decltype(rows)::value>(xp, wp, bp, K, n0, n1, yp, N);
-    });
-    return y;
+    at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) { small_gemm_panels(xp, M, K, wp, bp, yp, N, p0, p1); });
+  } else {
+    const float *xp = xc.data_ptr<float>(), *wp = w.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) { small_gemm_panels(xp, M, K, wp, bp, yp, N, p0, p1); });
   }
 #endif
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
-  auto run = [&](auto* wp, auto* yp) {
-    gemv_split(M, K, N, [&](auto rows, int64_t n0, int64_t n1) {
-      gemv_rows<decltype(rows)::value>(xp, wp, bp, K, n0, n1, yp, N);
-    });
-  };
-  const bool wf = w.scalar_type() == at::kFloat, yf = y.scalar_type() == at::kFloat;
-  if (wf && yf) run(w.data_ptr<float>(), y.data_ptr<float>());
-  else if (wf) run(w.data_ptr<float>(), y.data_ptr<c10::BFloat16>());
-  else if (yf) run(w.data_ptr<c10::BFloat16>(), y.data_ptr<float>());
-  else run(w.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>());
   return y;
-#else
-  at::Tensor y = at::matmul(x.to(at::kFloat), w.to(at::kFloat).t());
-  if (bias.has_value()) y.add_(bias->to(at::kFloat));
-  return y.to(x.scalar_type());
-#endif
 }
 
 // ---- int8 weight GEMV on 16-bit activations: the LM head at decode batch sizes --------------------
@@ -827,14 +832,6 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const c10::option
 #endif
 }
 
-bool has_gemv() {
-#if defined(PLAIT_GEMV)
-  return true;
-#else
-  return false;
-#endif
-}
-
 bool has_vnni() {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
   return true;
@@ -851,17 +848,17 @@ TORCH_LIBRARY(plait_cpu, m) {
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lens, float scale) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor w, Tensor scale) -> Tensor");
-  m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("small_gemm(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
   m.def("int4_gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("has_vnni() -> bool");
-  m.def("has_gemv() -> bool");
+  m.def("has_small_gemm(bool bf16) -> bool");
   m.def("kv_write_(Tensor(a!) pool_k, Tensor(b!) pool_v, Tensor slots, Tensor k, Tensor v, Tensor(c!)? mirror_k, "
         "Tensor(d!)? mirror_v, Tensor? mirror_at) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(plait_cpu, CompositeExplicitAutograd, m) {
   m.impl("has_vnni", &has_vnni);
-  m.impl("has_gemv", &has_gemv);
+  m.impl("has_small_gemm", &has_small_gemm);
 }
 
 TORCH_LIBRARY_IMPL(plait_cpu, CPU, m) {
@@ -870,7 +867,7 @@ TORCH_LIBRARY_IMPL(plait_cpu, CPU, m) {
   m.impl("rope_", &rope_);
   m.impl("decode_attention", &decode_attention);
   m.impl("int8_gemv", &int8_gemv);
-  m.impl("gemv", &gemv);
+  m.impl("small_gemm", &small_gemm);
   m.impl("int4_gemv", &int4_gemv);
   m.impl("kv_write_", &kv_write_);
 }
