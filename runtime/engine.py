@@ -304,7 +304,8 @@ class Engine:
                 inputs.append(GenerateInput(rid=r, input_ids=list(ids), params=params, seed=base_seed + i,
                                             return_logprob=return_logprob,
                                             logprob_start_len=start if return_logprob else -1,
-                                            top_logprobs_num=top_logprobs_num if return_logprob else 0))
+                                            top_logprobs_num=top_logprobs_num if return_logprob else 0,
+                                            stream=stream))
                 state = RequestState(r, params, self.tokenizer, return_text_in_logprobs)
                 if return_logprob:   # protocol: one triple per generated token, so [] for none
                     state.meta_logprobs["output_token_logprobs"] = []   # (SGLang's select reads it)

@@ -15,6 +15,10 @@ class GenerateInput(msgspec.Struct, kw_only=True, tag=True):
     return_logprob: bool = False
     logprob_start_len: int = -1          # first prompt position with an input logprob; -1: none
     top_logprobs_num: int = 0
+    # False (a caller that waits for the whole result): the scheduler process sends this request's
+    # tokens once, when it finishes, instead of every step (SGLang does the same): at batch 1 each
+    # output wakes the detokenizer and the caller's process while the next step runs on both cores.
+    stream: bool = True
 
 
 class TokenOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -36,6 +40,23 @@ class TokenOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     # The new text of this output, filled in by the detokenizer process (stable: never a split
     # UTF-8 character; a final EOS / stop-token id is not shown). Stop strings are not trimmed here.
     text_delta: str = ""
+
+    def merged(self, later: "TokenOutput") -> "TokenOutput":
+        """This output followed by `later` (of the same request), as one output."""
+        def cat(a: list | None, b: list | None) -> list | None:
+            return b if a is None else a if b is None else a + b
+        return TokenOutput(
+            rid=self.rid, new_ids=self.new_ids + later.new_ids, finish_reason=later.finish_reason,
+            prompt_tokens=later.prompt_tokens, cached_tokens=later.cached_tokens,
+            input_logprobs=cat(self.input_logprobs, later.input_logprobs),
+            input_top_logprobs=cat(self.input_top_logprobs, later.input_top_logprobs),
+            output_logprobs=cat(self.output_logprobs, later.output_logprobs),
+            output_top_logprobs=cat(self.output_top_logprobs, later.output_top_logprobs),
+            skip_special_tokens=self.skip_special_tokens if self.skip_special_tokens is not None
+            else later.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens
+            if self.spaces_between_special_tokens is not None else later.spaces_between_special_tokens,
+            text_delta=self.text_delta + later.text_delta)
 
 
 class Req:

@@ -58,6 +58,9 @@ class SchedulerWorker:
         self.live: set[str] = set()
         # rid -> detokenization options, attached to the request's first output (then dropped)
         self.detok_opts: dict[str, tuple[bool, bool]] = {}
+        # non-streaming requests: their outputs so far, sent as one when the request finishes
+        self.quiet: set[str] = set()
+        self.held: dict[str, TokenOutput] = {}
         self.stopping = False
         self.fatal: str | None = None   # set when the process cannot go on (a tensor-parallel rank is gone)
 
@@ -71,6 +74,8 @@ class SchedulerWorker:
                 return
             self.live.add(msg.rid)
             self.detok_opts[msg.rid] = (msg.params.skip_special_tokens, msg.params.spaces_between_special_tokens)
+            if not msg.stream:
+                self.quiet.add(msg.rid)
         elif isinstance(msg, AbortReq):
             out = self.scheduler.abort_request(msg.rid)
             if out is not None:
@@ -108,15 +113,23 @@ class SchedulerWorker:
         return outputs
 
     def _emit(self, outputs: list[TokenOutput]) -> None:
-        if not outputs:
-            return
+        sending = []
         for out in outputs:
             opts = self.detok_opts.pop(out.rid, None)
             if opts is not None:   # the request's first output: the detokenizer needs these
                 out.skip_special_tokens, out.spaces_between_special_tokens = opts
+            held = self.held.pop(out.rid, None)
+            if held is not None:
+                out = held.merged(out)
             if out.finish_reason is not None:
                 self.live.discard(out.rid)
-        self.send(TokenOutputBatch(outputs=outputs))
+                self.quiet.discard(out.rid)
+            elif out.rid in self.quiet:   # a non-streaming request: hold until it finishes
+                self.held[out.rid] = out
+                continue
+            sending.append(out)
+        if sending:
+            self.send(TokenOutputBatch(outputs=sending))
 
     def _rpc(self, method: str) -> Any:
         s = self.scheduler

@@ -310,6 +310,34 @@ def test_worker_failed_step_aborts_everything_and_keeps_serving():
     assert worker.stopping
 
 
+def test_worker_holds_a_non_streaming_request_until_it_finishes():
+    """A caller that waits for the whole result gets one output, with every token and logprob and
+    the detokenization options; a streaming request still gets every step's."""
+    sent: list = []
+    sched = FakeScheduler()
+    worker = SchedulerWorker(sched, sent.append)
+    quiet = _gen("q")
+    quiet.stream = False
+    worker.handle(quiet)
+    worker.handle(_gen("s"))
+    for _ in range(3):
+        worker.step()
+        assert [o.rid for o in sent.pop().outputs] == ["s"]
+    worker.handle(AbortReq(rid="q"))
+    (out,) = sent.pop().outputs
+    assert out.rid == "q" and out.new_ids == [7, 7, 7] and out.finish_reason["type"] == "abort"
+    assert out.skip_special_tokens is True and out.spaces_between_special_tokens is True
+    assert not worker.held and not worker.quiet and "q" not in worker.live
+    a = TokenOutput(rid="x", new_ids=[1], output_logprobs=[[-0.5, 1]], input_logprobs=[[None, 9]],
+                    skip_special_tokens=False, prompt_tokens=4)
+    b = TokenOutput(rid="x", new_ids=[2, 3], output_logprobs=[[-1.0, 2], [-2.0, 3]], prompt_tokens=4,
+                    cached_tokens=2, finish_reason={"type": "length", "length": 3})
+    m = a.merged(b)
+    assert m.new_ids == [1, 2, 3] and m.output_logprobs == [[-0.5, 1], [-1.0, 2], [-2.0, 3]]
+    assert m.input_logprobs == [[None, 9]] and m.skip_special_tokens is False
+    assert m.finish_reason == b.finish_reason and (m.prompt_tokens, m.cached_tokens) == (4, 2)
+
+
 # --- the wire format ---------------------------------------------------------------------------
 def test_every_message_round_trips_through_msgpack():
     import numpy as np
