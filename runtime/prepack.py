@@ -10,6 +10,7 @@ streams the weight at the machine's bandwidth at one row (oneDNN runs that on on
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -40,24 +41,28 @@ SMALL_GEMM_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 64}
 
 class PackedLinear(nn.Module):
     """`y = x @ W.T + b` with W held in oneDNN's blocked layout, and (`small_rows`) also in
-    `small_gemm`'s panels, for decode's batch sizes."""
+    `small_gemm`'s panels, for decode's batch sizes. `panels_only`: one copy, the panels, for
+    every number of rows where `small_gemm` runs (quantized layers' bfloat16 copy: those rows are
+    the ones their own kernels do not take); oneDNN's elsewhere."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, small_rows: bool = True):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, small_rows: bool = True,
+                 panels_only: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
         self.bias = None if bias is None else bias.detach().clone()
-        small = (small_rows and cpu_kernels.small_gemm_available(weight.dtype)
+        small = ((small_rows or panels_only) and cpu_kernels.small_gemm_available(weight.dtype)
                  and (weight.dtype == torch.float32 or self.in_features % 2 == 0))
         self.panels = cpu_kernels.pack_panels(weight) if small else None
-        self.small_rows = SMALL_GEMM_MAX_ROWS[weight.dtype] if small else 0
+        self.small_rows = 0 if not small else sys.maxsize if panels_only else SMALL_GEMM_MAX_ROWS[weight.dtype]
+        self.packed = None if small and panels_only else torch.ops.mkldnn._reorder_linear_weight(
+            weight.detach().contiguous())
         # the kernel adds a float32 bias: converted once here, not on every call
         self.small_bias = None if self.bias is None or not small else self.bias.float()
         # Without that kernel, a float32 single row goes through bmm with the weight viewed as
         # [2, N/2, K], whose two halves run on two cores (oneDNN's GEMV runs on one; 46 -> 38 ms a
         # batch-1 step, on an earlier machine).
         self.halves = None
-        if (small_rows and not small and weight.dtype == torch.float32 and self.out_features % 2 == 0
+        if (small_rows and not panels_only and not small and weight.dtype == torch.float32 and self.out_features % 2 == 0
                 and torch.get_num_threads() > 1):
             self.halves = weight.detach().contiguous().view(2, self.out_features // 2, self.in_features)
 

@@ -7,8 +7,10 @@ replaced by a module holding quantized weights.
 - CPU, `int8pack` (default): weight-only. Below 4 rows (batch-1 / small-batch decode, where
   reading the weights is the cost) `torch._weight_int8pack_mm` reads the int8 weights with
   bfloat16 activations; from 4 rows on, where compute is the cost and that kernel (which does not
-  reuse a weight across rows) falls behind, a bfloat16 copy of the *dequantized* int8 weights,
-  prepacked for oneDNN, computes the same product. So int8 on the CPU holds 1.5 bytes a weight.
+  reuse a weight across rows) falls behind, a bfloat16 copy of the *dequantized* int8 weights
+  computes the same product: in `cpu_kernels.small_gemm`'s panels where that kernel runs (whole
+  bf16+int4 steps, arms alternating, load ~1.5: batch 16 21.2 vs 24.7 ms, batch 32 29.6 vs 33.6
+  with oneDNN's GEMM), else prepacked for oneDNN. So int8 on the CPU holds 3 bytes a weight.
   Measured on SmolLM2-135M's shapes (2 cores, 30 layers + LM head, weights out of cache, load ~15):
   M=1: 89 ms vs 183 ms float32 prepacked; M=4: 92 vs 188 (int8pack alone 125); M=32: 238 vs 372
   (int8pack alone 658).
@@ -38,10 +40,10 @@ logits of benchmarks/quality.py's text: int4 0.0017, int8 0.0050; perplexity 24.
   7.3 ms (min of 6 rounds; medians 6.8 vs 8.2), batch 4 7.9 vs 9.9, batch 8 13.1 vs 14.9. KL to
   float32 over 48 decode steps of the quality text: 0.00107 vs 0.00121 (torch's kernel, bfloat16
   activations and scales). Without VNNI, torch's `_weight_int4pack_mm_for_cpu` with bfloat16
-  activations (float32 ones are ~20x slower) up to 9 rows. From there on a prepacked bfloat16
-  copy of the dequantized weight, as int8 does (whole-step figures at `_INT4PACK_MAX_ROWS`). Both
+  activations (float32 ones are ~20x slower) up to 9 rows. From there on the bfloat16 copy of the
+  dequantized weight, as int8 does (whole-step figures at `_INT4PACK_MAX_ROWS`). Both
   kernels need N % 16 == 0 (else the bf16 copy serves every row); a layer whose K is not a
-  multiple of 32 is int8 instead. So int4 on the CPU holds 2.6 bytes a weight (codes, the kernel's
+  multiple of 32 is int8 instead. So int4 on the CPU holds 3.25 bytes a weight (codes and scales, the kernel's
   layout, the bf16 copy), 0.625 of them read at batch 1.
 - `dequant`: dequantize then `F.linear`; other devices and torch builds without the kernel.
 
@@ -127,12 +129,14 @@ class _WeightOnlyLinear(nn.Module):
         raise NotImplementedError
 
     def _pack_bf16(self) -> nn.Module | None:
-        """The dequantized weight in bfloat16, prepacked for oneDNN (None where that is unavailable)."""
+        """The dequantized weight in bfloat16, in `small_gemm`'s panels (or, where that kernel does
+        not run, prepacked for oneDNN); None where neither is available. Many rows only: the
+        panels are ~25% faster than oneDNN's GEMM at 16-32 rows, 8% slower at 512 (prefill)."""
         from .prepack import PackedLinear, prepack_available
         if not prepack_available() or self.qweight.device.type != "cpu":
             return None
         bias = None if self.bias is None else self.bias.to(torch.bfloat16)
-        return PackedLinear(self.dequantized(torch.bfloat16), bias, small_rows=False)   # many rows only
+        return PackedLinear(self.dequantized(torch.bfloat16), bias, small_rows=False, panels_only=True)
 
     def _output(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (rows of `_rows(x)`) in x's dtype and leading shape; no op where nothing changes

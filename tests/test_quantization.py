@@ -247,6 +247,7 @@ def test_int4_dequantized_within_half_a_step():
 @pytest.mark.parametrize("gemv", [True, False])
 def test_int4_linear_matches_dequantized(rows, bias, gemv, monkeypatch):
     from plait.runtime import cpu_kernels
+    cpu_kernels.load()
     if gemv and not cpu_kernels.int4_gemv_available():
         pytest.skip("no AVX512-VNNI")
     monkeypatch.setattr(cpu_kernels, "int4_gemv_available", lambda: gemv)
@@ -266,6 +267,8 @@ def test_int4_linear_matches_dequantized(rows, bias, gemv, monkeypatch):
             assert (got - ref).abs().max() < 1e-4 * ref.abs().max()
         else:
             assert (lin.packed_gemv is None) != gemv and (lin.packed_int4 is None) == gemv
+            if rows > 9 and cpu_kernels.small_gemm_available(torch.bfloat16):   # the copy: panels only
+                assert lin.packed_bf16.panels is not None and lin.packed_bf16.packed is None
             # bfloat16 activations (torch's kernel: also its scales; from 10 rows: the weights):
             # compare with the same rounding of x; what is left is ~2^-8 of the output's magnitude.
             ref_bf16 = F.linear(x.bfloat16().float(), lin.dequantized(), b)
