@@ -1,6 +1,7 @@
 """Fused CPU kernels for the decoder's small ops (`csrc/cpu_kernels.cpp`): RMSNorm (with the residual
-add), RoPE, the step's K/V writes into the pool and the decode mirror, and decode attention, each one
-op instead of 6-10 aten ops; `small_gemm`, the float32 / bfloat16 projections at decode's batch sizes
+add), RoPE, the step's K/V writes into the pool and the decode mirror, decode attention (queries and
+output in the model's dtype: no copies around it) and the MLP's silu(gate) * up, each one op instead
+of 3-10 aten ops; `small_gemm`, the float32 / bfloat16 projections at decode's batch sizes
 (weights in panels of 32 output columns, 12 rows of x against a panel at a time, bfloat16 by AVX512-BF16
 dot products; `prepack.py`);
 `int8_gemv`, the AVX512-VNNI int8 LM head, and `int4_gemv`, int4 (GGUF Q4_1) layers at decode's few
@@ -129,6 +130,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: to
     q4 = q.float().reshape(n, k.shape[1], heads // k.shape[1], dim)   # GQA: a KV head's queries as its query length
     out = F.scaled_dot_product_attention(q4, keys, values, attn_mask=mask, scale=scale)
     return out.view(n, heads, dim).to(q.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` of the merged projection's output `[T, 2I]` (gate then up) -> `[T, I]`,
+    with the eager model's rounding in bfloat16 (silu rounded before the product)."""
+    if enabled(gate_up) and gate_up.dim() == 2 and gate_up.is_contiguous():
+        return torch.ops.plait_cpu.silu_mul(gate_up)
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    return F.silu(gate) * up
 
 
 def kv_write_(pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -285,3 +285,20 @@ def test_int4_gemv_rejects_what_it_does_not_take():
         torch.ops.plait_cpu.int4_gemv(torch.randn(1, 64), packed, torch.randn(15))
     with pytest.raises(ValueError, match="multiple of 16"):
         cpu_kernels.int4_gemv_pack(q[:8], scale[:8], minimum[:8])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (5, 40)])   # 40: a tail after the 16-wide loop
+def test_silu_mul_matches_eager(dtype, rows, inter):
+    g = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])   # far tails and zero
+    got = cpu_kernels.silu_mul(gate_up)
+    gate, up = gate_up.split(inter, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    assert got.dtype == dtype and got.shape == (rows, inter)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+    else:   # silu rounded to bfloat16 before the product, as eager does; exp's last bits may flip one
+        close = (got.float() - ref.float()).abs() <= 2 ** -7 * ref.float().abs() + 1e-6
+        assert close.all() and (got == ref).float().mean() > 0.99

@@ -389,33 +389,39 @@ void attention_values(const float* p, const KV* v, int64_t v_stride, int64_t len
   }
 }
 
-template <typename KV>
+// q [n, H, D] in its own dtype Q and strides (unit stride in D): each task widens its G queries to
+// float32 and writes its output rows in Q, so a bfloat16 model's step pays no copies around the op.
+template <typename KV, typename Q>
 void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* lens,
                              float scale, at::Tensor& out) {
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
   const int64_t G = H / KVH;
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const Q* qp = q.data_ptr<Q>();
+  Q* op = out.data_ptr<Q>();
   const KV* kp = k.data_ptr<KV>();
   const KV* vp = v.data_ptr<KV>();
   int64_t max_len = 0;
   for (int64_t b = 0; b < n; ++b) max_len = std::max(max_len, lens[b]);
   const int64_t per_task = std::max<int64_t>(1, 2 * G * max_len * D);
   at::parallel_for(0, n * KVH, grain(per_task, 1 << 17), [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(G * std::max<int64_t>(max_len, 1));
+    std::vector<float> scores(G * std::max<int64_t>(max_len, 1)), qf(G * D), of(G * D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KVH, kvh = task % KVH, len = lens[b];
-      const float* qb = qp + (b * H + kvh * G) * D;       // the G queries of this KV head
-      float* ob = op + (b * H + kvh * G) * D;
+      for (int64_t g = 0; g < G; ++g) {   // the G queries of this KV head, as float32 rows
+        const Q* qg = qp + b * q.stride(0) + (kvh * G + g) * q.stride(1);
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = f32(qg[d]);
+      }
+      Q* ob = op + (b * H + kvh * G) * D;
       if (len <= 0) {
-        std::fill(ob, ob + G * D, 0.f);
+        std::fill(ob, ob + G * D, Q(0.f));
         continue;
       }
       const KV* vb = vp + b * v.stride(0) + kvh * v.stride(1);
-      attention_scores(qb, kp + b * k.stride(0) + kvh * k.stride(1), k.stride(2), len, G, D, scale, scores.data(),
-                       vb, v.stride(2));
+      attention_scores(qf.data(), kp + b * k.stride(0) + kvh * k.stride(1), k.stride(2), len, G, D, scale,
+                       scores.data(), vb, v.stride(2));
       for (int64_t g = 0; g < G; ++g) softmax_inplace(scores.data() + g * len, len);
-      attention_values(scores.data(), vb, v.stride(2), len, G, D, ob);
+      attention_values(scores.data(), vb, v.stride(2), len, G, D, of.data());
+      for (int64_t i = 0; i < G * D; ++i) ob[i] = Q(of[i]);
     }
   });
 }
@@ -432,20 +438,60 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: head_dim must have unit stride");
   TORCH_CHECK(lens.scalar_type() == at::kLong && lens.is_contiguous() && lens.numel() >= q.size(0),
               "decode_attention: lens must be int64 [>= n]");
+  TORCH_CHECK(k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16,
+              "decode_attention: float32 or bfloat16 K/V only, got ", k.scalar_type());
   const int64_t* lp = lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < q.size(0); ++b) {
     TORCH_CHECK(lp[b] <= k.size(2), "decode_attention: a row's length exceeds its keys");
   }
-  const at::Tensor qf = q.to(at::kFloat).contiguous();   // no-ops for the usual float32 query
-  at::Tensor out = at::empty_like(qf);
-  if (k.scalar_type() == at::kFloat) {
-    decode_attention_kernel<float>(qf, k, v, lp, static_cast<float>(scale), out);
-  } else if (k.scalar_type() == at::kBFloat16) {
-    decode_attention_kernel<c10::BFloat16>(qf, k, v, lp, static_cast<float>(scale), out);
-  } else {
-    TORCH_CHECK(false, "decode_attention: float32 or bfloat16 K/V only, got ", k.scalar_type());
-  }
-  return out.to(q.scalar_type());   // the output in the query's dtype
+  const at::Tensor qs = q.stride(2) == 1 ? q : q.contiguous();
+  at::Tensor out = at::empty(q.sizes(), q.options());   // the output in the query's dtype
+  const float sc = static_cast<float>(scale);
+  const bool kv_f32 = k.scalar_type() == at::kFloat, q_f32 = q.scalar_type() == at::kFloat;
+  if (kv_f32 && q_f32) decode_attention_kernel<float, float>(qs, k, v, lp, sc, out);
+  else if (kv_f32) decode_attention_kernel<float, c10::BFloat16>(qs, k, v, lp, sc, out);
+  else if (q_f32) decode_attention_kernel<c10::BFloat16, float>(qs, k, v, lp, sc, out);
+  else decode_attention_kernel<c10::BFloat16, c10::BFloat16>(qs, k, v, lp, sc, out);
+  return out;
+}
+
+// ---- the gated MLP's activation: silu(gate) * up ----------------------------------------------------
+// gu [T, 2I] (gate then up, as the merged gate_up projection returns them) -> [T, I], one op instead
+// of split + silu + mul; bfloat16 rounds silu's result before the product, as the eager model does.
+template <typename T>
+void silu_mul_kernel(const T* gu, T* y, int64_t rows, int64_t I) {
+  at::parallel_for(0, rows, grain(I, 1 << 16), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gu + r * 2 * I;
+      const T* u = g + I;
+      T* yr = y + r * I;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= I; i += 16) {
+        const __m512 gv = load16(g + i);
+        const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv), _mm512_set1_ps(88.f)));
+        const __m512 silu = stored16(yr, _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+        store16(yr + i, _mm512_mul_ps(silu, load16(u + i)));
+      }
+#endif
+      for (; i < I; ++i) {
+        const float gf = f32(g[i]);
+        yr[i] = T(stored<T>(gf / (1.f + std::exp(-gf))) * f32(u[i]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gu) {
+  check_cpu(gu, "gate_up");
+  TORCH_CHECK(gu.dim() == 2 && gu.is_contiguous() && gu.size(1) % 2 == 0, "silu_mul: gate_up must be contiguous [T, 2I]");
+  const int64_t rows = gu.size(0), I = gu.size(1) / 2;
+  at::Tensor y = at::empty({rows, I}, gu.options());
+  if (gu.scalar_type() == at::kFloat) silu_mul_kernel(gu.data_ptr<float>(), y.data_ptr<float>(), rows, I);
+  else if (gu.scalar_type() == at::kBFloat16)
+    silu_mul_kernel(gu.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), rows, I);
+  else TORCH_CHECK(false, "silu_mul: float32 or bfloat16 only, got ", gu.scalar_type());
+  return y;
 }
 
 // ---- this step's K/V into the pool and, optionally, the decode mirror ----------------------------
@@ -847,6 +893,7 @@ TORCH_LIBRARY(plait_cpu, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor w, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lens, float scale) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("small_gemm(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
   m.def("int4_gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
@@ -866,6 +913,7 @@ TORCH_LIBRARY_IMPL(plait_cpu, CPU, m) {
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("rope_", &rope_);
   m.impl("decode_attention", &decode_attention);
+  m.impl("silu_mul", &silu_mul);
   m.impl("int8_gemv", &int8_gemv);
   m.impl("small_gemm", &small_gemm);
   m.impl("int4_gemv", &int4_gemv);

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import cpu_kernels
@@ -113,11 +112,9 @@ class MLP(nn.Module):
         inter = config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter], name="intermediate_size")
         self.down_proj = RowParallelLinear(inter, config.hidden_size, shard=self.gate_up_proj.pieces[0][:2])
-        self.intermediate = self.gate_up_proj.output_sizes[0]   # this rank's share
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(cpu_kernels.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
