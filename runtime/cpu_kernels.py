@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 _lock = threading.Lock()
 _state: dict[str, object] = {}
+_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _cpu_tag() -> str:
@@ -74,7 +75,7 @@ def load() -> bool:
 
 def enabled(x: torch.Tensor) -> bool:
     """Whether `x`'s op can take the fused kernel: a CPU float32/bfloat16 tensor, kernels built."""
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and _state.get("ok", False) is True
+    return x.is_cpu and x.dtype in _DTYPES and _state.get("ok", False) is True   # ~270 calls a step
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
