@@ -24,6 +24,13 @@ from .forward_batch import AttnGroup, ForwardBatch
 from .memory_pool import KVPool
 
 
+def sdpa_dtype(kv_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype SDPA runs in over a pool of `kv_dtype`: on the CPU a 16-bit pool is widened to
+    float32 (bfloat16 SDPA is ~3x slower there for these head sizes; float32 holds the 16-bit values
+    exactly, so the result is the same as over a float32 pool)."""
+    return torch.float32 if device.type == "cpu" and kv_dtype in (torch.bfloat16, torch.float16) else kv_dtype
+
+
 class AttentionBackend:
     """`forward(q, k, v, layer_id, batch, scale)`: q `[T, H, D]`, k/v `[T, KVH, D]` -> `[T, H*D]`."""
 
@@ -41,6 +48,7 @@ class TorchNativeAttention(AttentionBackend):
     def __init__(self, pool: KVPool):
         super().__init__(pool)
         self.kv_dtype = pool.k[0].dtype
+        self.sdpa_dtype = sdpa_dtype(self.kv_dtype, pool.k[0].device)
         self._batch: ForwardBatch | None = None
         self._masks: list[torch.Tensor | None] = []
         self._scratch: dict[str, torch.Tensor] = {}
@@ -59,7 +67,7 @@ class TorchNativeAttention(AttentionBackend):
     def _begin(self, batch: ForwardBatch) -> None:
         """Once per step: what every layer shares."""
         self._batch = batch
-        self._masks = [None if g.attn_mask is None else _additive(g.attn_mask, self.kv_dtype) for g in batch.groups]
+        self._masks = [None if g.attn_mask is None else _additive(g.attn_mask, self.sdpa_dtype) for g in batch.groups]
 
     def _attend_group(self, i: int, g: AttnGroup, q, k, v, layer_id: int, scale: float) -> torch.Tensor:
         return self._attend_gathered(q[g.start:g.end], layer_id, g, self._masks[i], scale)
@@ -83,10 +91,10 @@ class TorchNativeAttention(AttentionBackend):
         shape = (g.bsz * g.max_kv, kv_heads, head_dim)
         keys = torch.index_select(pool_k, 0, g.kv_indices, out=self._buffer("k", shape, pool_k.dtype, pool_k.device))
         values = torch.index_select(pool_v, 0, g.kv_indices, out=self._buffer("v", shape, pool_v.dtype, pool_v.device))
-        keys = keys.view(g.bsz, g.max_kv, kv_heads, head_dim).transpose(1, 2)
-        values = values.view(g.bsz, g.max_kv, kv_heads, head_dim).transpose(1, 2)
+        keys = keys.view(g.bsz, g.max_kv, kv_heads, head_dim).transpose(1, 2).to(self.sdpa_dtype)
+        values = values.view(g.bsz, g.max_kv, kv_heads, head_dim).transpose(1, 2).to(self.sdpa_dtype)
         dtype = q.dtype
-        q = q.to(keys.dtype)          # the pool may be kept in a wider dtype (see ModelRunner)
+        q = q.to(self.sdpa_dtype)
         if g.q_scatter is None:
             qp = q.reshape(g.bsz, g.max_q, num_heads, head_dim)
         else:
@@ -109,7 +117,7 @@ class MirroredAttention(TorchNativeAttention):
         super().__init__(pool)
         if mirror_budget_bytes is None:
             mirror_budget_bytes = default_mirror_budget(pool)
-        self.mirror = DecodeMirror(pool, mirror_budget_bytes)
+        self.mirror = DecodeMirror(pool, mirror_budget_bytes, mask_dtype=self.sdpa_dtype)
         self._plan: MirrorPlan | None = None
         self._kernel = False   # this step's one-token decode rows go through cpu_kernels.decode_attention
         self._fused = False
@@ -143,11 +151,12 @@ class MirroredAttention(TorchNativeAttention):
         q = q[g.start:g.end]
         dtype, (_, num_heads, head_dim), n = q.dtype, q.shape, plan.n
         kv_heads = keys.shape[1]
-        q = q.to(keys.dtype)
+        if not (plan.max_q == 1 and self._kernel):   # SDPA: one dtype for all of them
+            q, keys, values = q.to(self.sdpa_dtype), keys.to(self.sdpa_dtype), values.to(self.sdpa_dtype)
         if plan.max_q == 1:
             if plan.order is not None:
                 q = q[plan.order]
-            if self._kernel:   # one pass over each row's K/V, no mask (2x SDPA's speed)
+            if self._kernel:   # one pass over each row's K/V, no mask (2x SDPA's speed); any dtypes
                 out = cpu_kernels.decode_attention(q, keys, values, self.mirror.lens, scale)
             else:   # one query per head: fold the heads sharing a KV head into the query length (GQA)
                 q4 = q.view(n, kv_heads, num_heads // kv_heads, head_dim)

@@ -43,11 +43,12 @@ class MirrorPlan:
 class DecodeMirror:
     """Contiguous per-layer K/V of the current decode rows, plus what validates them."""
 
-    def __init__(self, pool: KVPool, budget_bytes: int):
+    def __init__(self, pool: KVPool, budget_bytes: int, mask_dtype: torch.dtype | None = None):
         self.pool = pool
         self.num_layers = len(pool.k)
         _, self.kv_heads, self.head_dim = pool.k[0].shape
         self.dtype = pool.k[0].dtype
+        self.mask_dtype = mask_dtype or self.dtype   # the dtype SDPA runs in over the mirror
         self.budget_bytes = budget_bytes
         # Step stamp of the last write to every pool slot: a copied slot is stale once it changes.
         self.slot_stamp = torch.zeros(pool.k[0].shape[0], dtype=torch.int64)
@@ -169,7 +170,7 @@ class DecodeMirror:
         else:
             q_eff = torch.minimum(torch.arange(max_q)[None, :], (ext_m - 1)[:, None])
             last = seq_m[:, None] - ext_m[:, None] + q_eff
-        mask = torch.zeros((n, 1, last.shape[1], length), dtype=self.dtype)
+        mask = torch.zeros((n, 1, last.shape[1], length), dtype=self.mask_dtype)
         return mask.masked_fill_(torch.arange(length)[None, None, None, :] > last[:, None, :, None], float("-inf"))
 
     def update(self, layer: int, plan: MirrorPlan, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,11 +22,19 @@ def kernels(request, monkeypatch):
     monkeypatch.setitem(cpu_kernels._state, "ok", request.param == "fused kernels" and cpu_kernels.load())
 
 
+@pytest.fixture(autouse=True, params=[torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def model_dtype(request, monkeypatch):
+    """Every scenario for a float32 model and a bfloat16 one (its pool in bfloat16: SDPA widens it)."""
+    monkeypatch.setattr(Sim, "dtype", request.param)
+
+
 class Sim:
     """A pool, a table and requests (row -> tokens in KV); steps run the backend layer by layer."""
 
+    dtype = torch.float32   # the model's, and the pool's
+
     def __init__(self, backend_cls, slots: int = 4096, **kw):
-        self.pool = KVPool(slots, LAYERS, KV_HEADS, HEAD_DIM, torch.float32)
+        self.pool = KVPool(slots, LAYERS, KV_HEADS, HEAD_DIM, self.dtype)
         self.alloc = TokenSlotAllocator(slots)
         self.table = ReqToTokenTable(16, 1024)
         self.backend = backend_cls(self.pool, **kw)
@@ -62,12 +70,16 @@ class Sim:
         batch = ForwardBatch.build(ids, rows, pre, ext, torch.cat(locs), self.table.table, list(range(len(ids))))
         total = len(ids)
         for layer in range(LAYERS):
-            q = torch.randn(total, HEADS, HEAD_DIM, generator=self.gen)
-            k = torch.randn(total, KV_HEADS, HEAD_DIM, generator=self.gen)
-            v = torch.randn(total, KV_HEADS, HEAD_DIM, generator=self.gen)
+            q = torch.randn(total, HEADS, HEAD_DIM, generator=self.gen).to(self.dtype)
+            k = torch.randn(total, KV_HEADS, HEAD_DIM, generator=self.gen).to(self.dtype)
+            v = torch.randn(total, KV_HEADS, HEAD_DIM, generator=self.gen).to(self.dtype)
             got = self.backend.forward(q, k, v, layer, batch, SCALE)
             want = self.reference(q, layer, rows, pre, ext)
-            torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+            assert got.dtype == self.dtype
+            if self.dtype == torch.float32:
+                torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+            else:   # computed in float32 over the same values: one bfloat16 rounding of the output
+                torch.testing.assert_close(got.float(), want, atol=1e-5, rtol=2 ** -8)
         for row, n in work:
             self.kv_len[row] += n
         return batch
@@ -76,11 +88,11 @@ class Sim:
         outs, pos = [], 0
         for row, p, n in zip(rows, pre, ext):
             slots = self.table.table[row, :p + n]
-            keys = self.pool.k[layer][slots].transpose(0, 1)          # [KVH, S, D]
-            values = self.pool.v[layer][slots].transpose(0, 1)
+            keys = self.pool.k[layer][slots].transpose(0, 1).float()  # [KVH, S, D]
+            values = self.pool.v[layer][slots].transpose(0, 1).float()
             rep = HEADS // KV_HEADS
             keys, values = keys.repeat_interleave(rep, 0), values.repeat_interleave(rep, 0)
-            qq = q[pos:pos + n].transpose(0, 1)                          # [H, n, D]
+            qq = q[pos:pos + n].transpose(0, 1).float()                  # [H, n, D]
             mask = torch.arange(p + n)[None, :] <= (p + torch.arange(n))[:, None]
             out = F.scaled_dot_product_attention(qq, keys, values, attn_mask=mask, scale=SCALE)
             outs.append(out.transpose(0, 1).reshape(n, HEADS * HEAD_DIM))
