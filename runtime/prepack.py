@@ -5,7 +5,7 @@ small-M shapes of decoding (measured for M=8..256, K=576, float32 and bfloat16),
 torch.compile's freezing pass uses. Decode's batch sizes (up to `SMALL_GEMM_MAX_ROWS` rows) go
 through `cpu_kernels.small_gemm` on a second copy of the weight in 32-column panels instead: it
 streams the weight at the machine's bandwidth at one row (oneDNN runs that on one core) and runs
-~20-30% faster than oneDNN's GEMM up to 32 rows. Only the CPU path; GPUs keep `nn.Linear`.
+14-30% faster than oneDNN's GEMM at 8-32 rows. Only the CPU path; GPUs keep `nn.Linear`.
 """
 from __future__ import annotations
 

@@ -262,8 +262,8 @@ class Int4Linear(_WeightOnlyLinear):
     the file's weights exactly). Kernels: `int4pack` (CPU) runs `cpu_kernels.int4_gemv` (int16
     activations, AVX512-VNNI) up to `_INT4_GEMV_MAX_ROWS` rows; where that kernel does not run,
     torch's `_weight_int4pack_mm_for_cpu` (bfloat16 activations and bfloat16 scales, at most ~1.6%
-    of a quantization step away) below `_INT4PACK_MAX_ROWS` rows; from there on a prepacked
-    bfloat16 copy of W (neither kernel reuses a weight across rows). Both kernels need N % 16 == 0,
+    of a quantization step away) below `_INT4PACK_MAX_ROWS` rows; from there on a bfloat16 copy
+    of W (`small_gemm` panels, else oneDNN's; neither int4 kernel reuses a weight across rows). Both kernels need N % 16 == 0,
     else the copy serves every row. `dequant` computes `F.linear` with W dequantized in the input's
     dtype (other devices, the reference)."""
 

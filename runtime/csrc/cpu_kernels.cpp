@@ -232,9 +232,7 @@ inline void prefetch_row(const KV* p, int64_t D) {
   for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(KV)); b += 64)
     _mm_prefetch(reinterpret_cast<const char*>(p) + b, _MM_HINT_T0);
 }
-#endif
 
-#if defined(__AVX512F__)
 // The sums of 8 vectors' lanes, in key order: a transposing add tree (~3 instructions a vector)
 // instead of 8 horizontal reductions (~8 each), which had made the scores compute-bound.
 inline __m256 hsum8(const __m512* a) {
@@ -251,9 +249,7 @@ inline __m256 hsum8(const __m512* a) {
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
   return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, w));
 }
-#endif
 
-#if defined(__AVX512F__)
 // scores of 8 keys for GN queries (rows of `scores`, stride len): each key chunk is loaded (and
 // widened) once for all of them; GN * 8 independent accumulators keep the FMA units busy.
 template <int GN, typename KV>
@@ -565,12 +561,12 @@ void kv_write_(at::Tensor pool_k, at::Tensor pool_v, const at::Tensor& slots, co
 // [N/32, K, 32], bfloat16 [N/32, K/2, 32, 2] (pairs of k, as AVX512-BF16's dot product takes them).
 // A row block of up to 12 rows of x runs over a panel with 24 accumulators: per k (pair) two
 // loads of the weight, one broadcast and two FMAs (dot products) per row, no horizontal sums. At
-// one row that streams the weight at the machine's bandwidth; from ~8 rows it is compute-bound at
-// ~85% of the FMA peak, where oneDNN's GEMM (packed for large M) reached ~60% on these shapes and
-// ran a single row on one core. Each thread streams its own run of panels; a panel's second and
+// one row that streams the weight at the machine's bandwidth; at 32 float32 rows 362-410 GFLOP/s
+// with the weights in cache (oneDNN's GEMM 256-391) and 284-313 streaming them (oneDNN 216-241), of
+// a ~440-490 GFLOP/s peak; oneDNN also runs a single row on one core. Each thread streams its own run of panels; a panel's second and
 // third row blocks read it from L2, so while it computes, each block prefetches its share of the
 // next panel (without that the first pass waited on memory: ~30% slower at 32 rows). Any number of
-// rows works (at 128 rows on par with oneDNN, at 512 ~8% slower: x no longer stays in cache).
+// rows works (at 128 rows on par with oneDNN, at 512 ~8% slower).
 #if defined(PLAIT_AVX512BW_VL)
 #define PLAIT_SMALL_GEMM 1
 constexpr int64_t kPanel = 32;          // output columns per panel
@@ -700,6 +696,47 @@ at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optio
   return y;
 }
 
+// ---- activations as int16 for the VNNI GEMVs below -------------------------------------------------
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// x [M, K] -> int16 per block of B (32 or 64) along K, symmetric (scale max|x| / 32767, rounded to
+// nearest even): the codes, each block's scale and, when `xsum` is given, each block's sum of x.
+template <int B, typename T>
+void quantize_int16_blocks(const T* x, int64_t M, int64_t K, int16_t* xq, float* xs, float* xsum) {
+  constexpr int V = B / 16;
+  const int64_t blocks = K / B;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const T* p = x + m * K + b * B;
+      __m512 v[V], amax = _mm512_setzero_ps();
+      for (int i = 0; i < V; ++i) {
+        v[i] = load16(p + 16 * i);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+      }
+      const float mx = _mm512_reduce_max_ps(amax);
+      const float s = mx > 0.f ? mx / 32767.f : 1.f;
+      const __m512 inv = _mm512_set1_ps(1.f / s);
+      int16_t* q = xq + m * K + b * B;
+      __m512 sum = _mm512_setzero_ps();
+      for (int i = 0; i < V; ++i) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16 * i),
+                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v[i], inv))));
+        sum = _mm512_add_ps(sum, v[i]);
+      }
+      xs[m * blocks + b] = s;
+      if (xsum != nullptr) xsum[m * blocks + b] = _mm512_reduce_add_ps(sum);
+    }
+  }
+}
+
+// quantize_int16_blocks on a float32 or bfloat16 tensor's data.
+template <int B>
+void quantize_int16_blocks(const at::Tensor& x, int16_t* xq, float* xs, float* xsum) {
+  const int64_t M = x.size(0), K = x.size(1);
+  if (x.scalar_type() == at::kBFloat16) quantize_int16_blocks<B>(x.data_ptr<c10::BFloat16>(), M, K, xq, xs, xsum);
+  else quantize_int16_blocks<B>(x.data_ptr<float>(), M, K, xq, xs, xsum);
+}
+#endif
+
 // ---- int8 weight GEMV on 16-bit activations: the LM head at decode batch sizes --------------------
 // y[m, n] = scale[n] * sum_b sx[m, b] * sum_{k in b} xq[m, k] * w[n, k], x quantized to int16 in
 // blocks of 64 along K (symmetric, sx = max|x| / 32767: a relative error ~1e-5, below bfloat16's
@@ -714,21 +751,12 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == w.size(0),
               "int8_gemv: scale must be float32 [N]");
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const int64_t M = xf.size(0), K = xf.size(1), N = w.size(0), B = K / 64;
+  const at::Tensor xc = (x.scalar_type() == at::kBFloat16 ? x : x.to(at::kFloat)).contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = w.size(0), B = K / 64;
   std::vector<int16_t> xq(M * K);
   std::vector<float> sx(M * B);
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < B; ++b) {
-      const float* xr = xf.data_ptr<float>() + m * K + b * 64;
-      float amax = 0.f;
-      for (int64_t k = 0; k < 64; ++k) amax = std::max(amax, std::fabs(xr[k]));
-      const float s = amax > 0.f ? amax / 32767.f : 1.f, inv = 1.f / s;
-      sx[m * B + b] = s;
-      for (int64_t k = 0; k < 64; ++k) xq[m * K + b * 64 + k] = static_cast<int16_t>(std::nearbyint(xr[k] * inv));
-    }
-  }
-  at::Tensor y = at::empty({M, N}, xf.options());
+  quantize_int16_blocks<64>(xc, xq.data(), sx.data(), nullptr);
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -773,27 +801,6 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PLAIT_INT4_GEMV 1
 constexpr int64_t kInt4GroupBytes = 320;
-
-// x [M, K] -> int16 per group of 32 (scale max|x| / 32767), the scales, and the groups' sums of x.
-template <typename T>
-void int4_quantize_x(const T* x, int64_t M, int64_t K, int16_t* xq, float* xs, float* xsum) {
-  const int64_t G = K / 32;
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t g = 0; g < G; ++g) {
-      const T* p = x + m * K + g * 32;
-      const __m512 a = load16(p), b = load16(p + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-      const float s = amax > 0.f ? amax / 32767.f : 1.f;
-      const __m512 inv = _mm512_set1_ps(1.f / s);
-      int16_t* q = xq + m * K + g * 32;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16),
-                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv))));
-      xs[m * G + g] = s;
-      xsum[m * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
-    }
-  }
-}
 
 template <int M, typename O>
 void int4_gemv_blocks(const int16_t* xq, const float* xs, const float* xsum, const uint8_t* w, const float* bias,
@@ -853,8 +860,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const c10::option
   const at::Tensor xc = x.contiguous();
   std::vector<int16_t> xq(M * K);
   std::vector<float> xs(M * G), xsum(M * G);
-  if (x.scalar_type() == at::kBFloat16) int4_quantize_x(xc.data_ptr<c10::BFloat16>(), M, K, xq.data(), xs.data(), xsum.data());
-  else int4_quantize_x(xc.data_ptr<float>(), M, K, xq.data(), xs.data(), xsum.data());
+  quantize_int16_blocks<32>(xc, xq.data(), xs.data(), xsum.data());
   at::Tensor y = at::empty({M, N}, x.options());
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const uint8_t* wp = w.data_ptr<uint8_t>();
