@@ -172,10 +172,10 @@ def int4_gemv_available() -> bool:
 
 
 def small_gemm_available(dtype: torch.dtype) -> bool:
-    """Whether `torch.ops.plait_cpu.small_gemm` (1-64 rows on weights packed by `pack_panels`) runs
-    here for `dtype`: kernels built (`load()` called) for a CPU with AVX512BW/VL, and AVX512-BF16 for
+    """Whether `torch.ops.plait_cpu.small_gemm` (any number of rows on weights packed by `pack_panels`)
+    runs here for `dtype`: kernels built (`load()` called) for a CPU with AVX512BW/VL, and AVX512-BF16 for
     bfloat16."""
-    return (_state.get("ok", False) is True and dtype in (torch.float32, torch.bfloat16)
+    return (_state.get("ok", False) is True and dtype in _DTYPES
             and bool(torch.ops.plait_cpu.has_small_gemm(dtype == torch.bfloat16)))
 
 
