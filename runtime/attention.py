@@ -52,9 +52,12 @@ class TorchNativeAttention(AttentionBackend):
         self._batch: ForwardBatch | None = None
         self._masks: list[torch.Tensor | None] = []
         self._scratch: dict[str, torch.Tensor] = {}
+        self._begun: ForwardBatch | None = None
 
     def forward(self, q, k, v, layer_id, batch, scale):
-        if layer_id == 0 or batch is not self._batch:
+        if batch is self._begun:   # the model began this step already
+            self._begun = None
+        elif layer_id == 0 or batch is not self._batch:
             self._begin(batch)
         return self._forward(q, k, v, layer_id, batch, scale)
 
@@ -133,6 +136,18 @@ class MirroredAttention(TorchNativeAttention):
         # batch order): K/V writes and attention in two fused ops per layer.
         self._fused = (plan is not None and len(batch.groups) == 1 and plan.max_q == 1 and plan.order is None
                        and plan.keep_tok is None and plan.fill_idx is None and kernel)
+
+    def begin_fused_decode(self, batch: ForwardBatch) -> tuple | None:
+        """Begin `batch`'s step ahead of its layers. On a steady decode step (see `_begin`), what
+        `cpu_kernels.decode_layers_` takes to write every layer's K/V and attend: (pool K, pool V,
+        slots, mirror K, mirror V, mirror rows, lengths); else None, and the layers then call
+        `forward` as usual (without beginning the step again)."""
+        self._begin(batch)
+        if not self._fused:
+            self._begun = batch
+            return None
+        return (self.pool.k, self.pool.v, batch.out_cache_loc, self.mirror.k, self.mirror.v, self._plan.keep_at,
+                self.mirror.lens)
 
     def _forward(self, q, k, v, layer_id, batch, scale):
         if not (self._fused and cpu_kernels.enabled(k)):

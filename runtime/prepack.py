@@ -66,6 +66,13 @@ class PackedLinear(nn.Module):
                 and torch.get_num_threads() > 1):
             self.halves = weight.detach().contiguous().view(2, self.out_features // 2, self.in_features)
 
+    def decode_kernel(self, rows: int, dtype: torch.dtype) -> tuple | None:
+        """What `forward` runs for `rows` rows of `dtype` as `cpu_kernels.decode_layers_` takes it:
+        (kind 0 = small_gemm, panels, float32 bias or None, out_features); None if not small_gemm."""
+        if 1 <= rows <= self.small_rows and dtype == self.panels.dtype:
+            return 0, self.panels, self.small_bias, self.out_features
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.dim() == 2   # the model's case: no reshapes (at batch 1 every op here costs)
         x2 = x if flat else x.reshape(-1, x.shape[-1])

@@ -145,6 +145,12 @@ class _WeightOnlyLinear(nn.Module):
             y = y.to(x.dtype)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
+    def _copy_kernel(self, rows: int, dtype: torch.dtype) -> tuple | None:
+        """The bfloat16 copy's `decode_kernel`: only for a bfloat16 model (no casts around it)."""
+        if self.packed_bf16 is None or dtype != torch.bfloat16:
+            return None
+        return self.packed_bf16.decode_kernel(rows, dtype)
+
     def _bf16_rows(self, x2: torch.Tensor) -> torch.Tensor:
         """`x2 @ W.T + b` in bfloat16: the prepacked copy, or (no oneDNN) the weight dequantized
         per call, amortized over the rows."""
@@ -180,6 +186,13 @@ class Int8Linear(_WeightOnlyLinear):
         self.vnni_gemv = (self.kernel == "int8pack" and self.bias is None and self.in_features % 64 == 0
                           and self.qweight.device.type == "cpu" and cpu_kernels.vnni_available())
         return self.vnni_gemv
+
+    def decode_kernel(self, rows: int, dtype: torch.dtype) -> tuple | None:
+        """What `forward` runs for `rows` rows of `dtype`, as `cpu_kernels.decode_layers_` takes it
+        (kind 2 = int8_gemv, weight, scales, out_features); None where it is none of its kernels."""
+        if self.vnni_gemv and 1 <= rows <= 8:
+            return 2, self.qweight, self.scale, self.out_features
+        return self._copy_kernel(rows, dtype) if self.kernel == "int8pack" and rows >= _INT8PACK_MAX_ROWS else None
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the int8 values stand for, `[N, K]`."""
@@ -297,6 +310,16 @@ class Int4Linear(_WeightOnlyLinear):
                              .to(torch.bfloat16).contiguous() if use_int4mm else None, persistent=False)
         self.packed_bf16 = self._pack_bf16() if self.kernel == "int4pack" else None
 
+    def decode_kernel(self, rows: int, dtype: torch.dtype) -> tuple | None:
+        """What `forward` runs for `rows` rows of `dtype`, as `cpu_kernels.decode_layers_` takes it
+        (kind 1 = int4_gemv, packed codes, float32 bias or None, out_features); None where it is
+        none of its kernels."""
+        if self.packed_gemv is not None and 1 <= rows <= _INT4_GEMV_MAX_ROWS:
+            return 1, self.packed_gemv, self.gemv_bias, self.out_features
+        if self.packed_int4 is not None and rows < _INT4PACK_MAX_ROWS:
+            return None
+        return self._copy_kernel(rows, dtype) if self.kernel == "int4pack" else None
+
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the codes stand for, `[N, K]` (what `int4_gemv` computes with)."""
         n, k, g = self.out_features, self.in_features, self.group_size
@@ -403,6 +426,8 @@ def quantize_model(model: nn.Module, method: str, kernel: str | None = None) -> 
         head.packed = make_quantized_linear(head.local_weight(), None, head_method, kernel)
         if isinstance(head.packed, Int8Linear):   # batch-1 LM head: 2.9 -> 1.1 ms, and exact-er
             head.packed.use_vnni_gemv()
+    if hasattr(model, "forget_decode_plans"):   # its cached plans hold the replaced projections
+        model.forget_decode_plans()
     count = len(targets) + len(heads)
     logger.info("quantized %d linear layers to %s", count, method)
     return count

@@ -302,3 +302,52 @@ def test_silu_mul_matches_eager(dtype, rows, inter):
     else:   # silu rounded to bfloat16 before the product, as eager does; exp's last bits may flip one
         close = (got.float() - ref.float()).abs() <= 2 ** -7 * ref.float().abs() + 1e-6
         assert close.all() and (got == ref).float().mean() > 0.99
+
+
+def _decode_logits(path: str, fused: bool, rows: int, **args) -> tuple[list[torch.Tensor], int]:
+    """Every step's logits of `rows` greedy requests, with `decode_layers_` (`fused`) or the layer
+    loop; and how many steps took the fused op."""
+    from plait.runtime.request import GenerateInput
+    from plait.runtime.sampling_params import SamplingParams
+    from plait.runtime.scheduler import Scheduler
+    from plait.runtime.server_args import ServerArgs
+    s = Scheduler(ServerArgs(model=path, max_total_tokens=4096, max_running_requests=rows, **args))
+    model, logits, fused_steps = s.runner.model, [], [0]
+    if not fused:
+        model._decode_plan = lambda *a: None
+    layers, forward = model._decode_layers, model.forward
+
+    def count(*a):
+        out = layers(*a)
+        fused_steps[0] += out is not None
+        return out
+    model._decode_layers = count
+    model.forward = lambda *a: logits.append(forward(*a)) or logits[-1]
+    for i in range(rows):
+        ids = [(37 * i + 11 * j) % 40000 + 100 for j in range(9 + 5 * i)]
+        s.add_request(GenerateInput(rid=str(i), input_ids=ids, seed=i, params=SamplingParams(
+            max_new_tokens=7, temperature=0, ignore_eos=True)))
+    while s.has_work():
+        s.step()
+    return logits, fused_steps[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])   # qwen2: q/k/v biases
+@pytest.mark.parametrize("dtype,quantization,rows", [
+    ("float32", None, 1), ("float32", None, 3), ("bfloat16", None, 2),
+    ("bfloat16", "int4", 1), ("bfloat16", "int4", 10),   # int4_gemv; 10 rows: its bfloat16 panels
+    ("bfloat16", "int8", 4)])                           # int8's bfloat16 panels, int8_gemv LM head
+def test_decode_layers_equals_the_layer_loop(tiny_model_dirs, arch, dtype, quantization, rows):
+    """One op for all layers of a steady decode step runs the loop's kernels in its order: the very
+    same logits at every step, and the steady steps do take it."""
+    args = dict(dtype=dtype, quantization=quantization)
+    got, fused_steps = _decode_logits(tiny_model_dirs[arch], True, rows, **args)
+    ref, none = _decode_logits(tiny_model_dirs[arch], False, rows, **args)
+    assert none == 0 and fused_steps >= 4, f"{fused_steps} of {len(got)} steps fused"
+    assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_decode_layers_leave_out_what_they_do_not_run(tiny_model_dirs):
+    """qk-norm layers (Qwen3) are not among the op's: every step runs the layer loop."""
+    _, fused_steps = _decode_logits(tiny_model_dirs["qwen3"], True, 2, dtype="float32")
+    assert fused_steps == 0
