@@ -159,6 +159,15 @@ def kv_write_(pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor, k
         mirror_v.view(-1, dim).index_copy_(0, mirror_at, v.to(mirror_v.dtype).reshape(-1, dim))
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` of float32 logits `[rows, n]` (the first index of each row's maximum, NaN
+    counting as the maximum), ~5x faster than torch's on the CPU."""
+    if _state.get("ok", False) is True and x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 \
+            and x.is_contiguous() and 0 < x.shape[1] < 2 ** 31:
+        return torch.ops.plait_cpu.argmax_rows(x)
+    return x.argmax(dim=-1)
+
+
 def vnni_available() -> bool:
     """Whether `torch.ops.plait_cpu.int8_gemv` runs here: kernels built (`load()` called) for a
     CPU with AVX512-VNNI."""

@@ -324,7 +324,10 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits `[N, vocab]` on rank 0; None on the other ranks."""
-        logits = self.packed(x) if self.packed is not None else F.linear(x, self.local_weight())
+        if self.packed is None:
+            logits = F.linear(x, self.local_weight())
+        else:   # bfloat16 logits widened as they are written, where the layer can
+            logits = self.packed(x, widen=True) if getattr(self.packed, "widens", False) else self.packed(x)
         if _tp.size == 1:
             return logits.float()
         full = gather_last_dim(logits)

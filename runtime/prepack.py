@@ -73,12 +73,16 @@ class PackedLinear(nn.Module):
             return 0, self.panels, self.small_bias, self.out_features
         return None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    widens = True   # forward takes `widen`
+
+    def forward(self, x: torch.Tensor, widen: bool = False) -> torch.Tensor:
+        """`widen`: a bfloat16 product may come back as float32 holding the bfloat16 results (the
+        LM head's logits, which the caller widens anyway: a pass over them less)."""
         flat = x.dim() == 2   # the model's case: no reshapes (at batch 1 every op here costs)
         x2 = x if flat else x.reshape(-1, x.shape[-1])
         rows = x2.shape[0]
         if 1 <= rows <= self.small_rows and x2.dtype == self.panels.dtype:
-            y = torch.ops.plait_cpu.small_gemm(x2, self.panels, self.small_bias, self.out_features)
+            y = torch.ops.plait_cpu.small_gemm(x2, self.panels, self.small_bias, self.out_features, widen)
         elif self.halves is not None and rows == 1 and x2.is_contiguous():
             # [2, N/2, K] @ [2, K, 1] -> [2, N/2, 1], which is the [1, N] row as it lies
             # (x as [K, 1] with strides (1, K): the layout bmm's fast path takes)

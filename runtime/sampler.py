@@ -21,6 +21,7 @@ from itertools import chain
 
 import torch
 
+from . import cpu_kernels
 from .sampling_params import SamplingParams
 
 # ---------------------------------------------------------------------------------------------
@@ -279,17 +280,17 @@ class Sampler:
             return torch.empty(0, dtype=torch.int64, device=logits.device)
         edits = batch.penalty_rows is not None or batch.block_rows is not None
         if batch.sample_rows is None and not edits:
-            return logits.argmax(dim=-1)  # all-greedy, nothing to adjust
+            return cpu_kernels.argmax_rows(logits)  # all-greedy, nothing to adjust
 
         x = self.adjust_logits(logits, batch)
         rows = batch.sample_rows
         if rows is None:
-            return x.argmax(dim=-1)
+            return cpu_kernels.argmax_rows(x)
         z = x if rows.numel() == B else x.index_select(0, rows)
         toks = self._sample(z, batch)
         if rows.numel() == B:
             return toks
-        out = x.argmax(dim=-1)
+        out = cpu_kernels.argmax_rows(x)
         return out.index_copy_(0, rows, toks)
 
     def adjust_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -226,6 +226,8 @@ def test_small_gemm_matches_linear(rows, dtype, n, k):
             torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
         else:                        # exact products, float32 sums, one bfloat16 rounding of the output
             torch.testing.assert_close(got.double(), ref, rtol=2 ** -8, atol=1e-3)
+        widened = torch.ops.plait_cpu.small_gemm(x, panels, b, n, True)   # the same values, as float32
+        assert widened.dtype == torch.float32 and torch.equal(widened, got.float())
 
 
 def test_small_gemm_rejects_what_it_does_not_take():
@@ -351,3 +353,24 @@ def test_decode_layers_leave_out_what_they_do_not_run(tiny_model_dirs):
     """qk-norm layers (Qwen3) are not among the op's: every step runs the layer loop."""
     _, fused_steps = _decode_logits(tiny_model_dirs["qwen3"], True, 2, dtype="float32")
     assert fused_steps == 0
+
+
+@pytest.mark.parametrize("rows,n", [(1, 49152), (3, 1000), (2, 15), (1, 1), (40, 17)])
+def test_argmax_rows_is_torch_argmax(rows, n):
+    """The first index of each row's maximum, ties, -inf and NaN (which counts as the maximum) as
+    torch.argmax has them."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(rows, n, generator=g)
+    x[0, n // 2] = x[0].max() + 1            # one maximum
+    if n > 5:
+        x[-1, 1::3] = 7.0                    # ties: the first wins
+        x[-1, -1] = float("inf")
+    got = cpu_kernels.argmax_rows(x)
+    assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1))
+    x[:, :] = float("-inf")
+    assert torch.equal(cpu_kernels.argmax_rows(x), x.argmax(dim=-1))
+    x[0, n - 1] = float("nan")
+    x[-1, n // 3] = float("nan")
+    if n > 1:
+        x[-1, n - 1] = float("nan")          # the first NaN of the row counts
+    assert torch.equal(cpu_kernels.argmax_rows(x), x.argmax(dim=-1))
