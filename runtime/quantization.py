@@ -4,9 +4,13 @@ replaced by a module holding quantized weights.
 `int8`: symmetric per-output-channel int8 weights, `W ~= q * scale[:, None]` with `q` in
 [-127, 127] and one float32 scale per output row. The matmul kernel depends on the device:
 
-- CPU, `int8pack` (default): weight-only. Below 4 rows (batch-1 / small-batch decode, where
+- CPU, `int8pack` (default): weight-only. Up to 8 rows (decode's batches), on a CPU with
+  AVX512-VNNI, `cpu_kernels.int8_gemv` (int16 activations in blocks of 64, exact int32 dot
+  products; see the LM head below; whole float32 + int8 SmolLM2 decode steps, arms alternating in
+  one process, load 1.7, ms min/median: batch 1 5.40/6.56 vs 10.25/10.78 with torch's kernel,
+  batch 4 8.65/8.75 vs 12.60/13.32). Without VNNI, below 4 rows (batch-1 / small-batch decode, where
   reading the weights is the cost) `torch._weight_int8pack_mm` reads the int8 weights with
-  bfloat16 activations; from 4 rows on, where compute is the cost and that kernel (which does not
+  bfloat16 activations; from 4 rows on (from 9 with VNNI), where compute is the cost and that kernel (which does not
   reuse a weight across rows) falls behind, a bfloat16 copy of the *dequantized* int8 weights
   computes the same product: in `cpu_kernels.small_gemm`'s panels where that kernel runs (whole
   bf16+int4 steps, arms alternating, load ~1.5: batch 16 21.2 vs 24.7 ms, batch 32 29.6 vs 33.6
@@ -198,9 +202,14 @@ class Int8Linear(_WeightOnlyLinear):
         """The weight the int8 values stand for, `[N, K]`."""
         return (self.qweight.float() * self.scale[:, None]).to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    widens = True   # forward takes `widen`
+
+    def forward(self, x: torch.Tensor, widen: bool = False) -> torch.Tensor:
+        """`widen`: the result may come back as float32 (an LM head's logits: int8_gemv computes
+        them in float32, and the caller widens them anyway)."""
         if self.vnni_gemv and x.dim() == 2 and 1 <= x.shape[0] <= 8:
-            return torch.ops.plait_cpu.int8_gemv(x, self.qweight, self.scale)   # float32 out
+            y = torch.ops.plait_cpu.int8_gemv(x, self.qweight, self.scale)   # float32 out
+            return y if widen else self._output(x, y)
         x2 = _rows(x)
         if self.kernel == "int8pack" and x2.shape[0] < _INT8PACK_MAX_ROWS:
             y = torch._weight_int8pack_mm(_bf16_contiguous(x2), self.qweight, self.scale_bf16)
@@ -424,8 +433,9 @@ def quantize_model(model: nn.Module, method: str, kernel: str | None = None) -> 
     head_method = "int8" if method == "int4" else method
     for head in heads:
         head.packed = make_quantized_linear(head.local_weight(), None, head_method, kernel)
-        if isinstance(head.packed, Int8Linear):   # batch-1 LM head: 2.9 -> 1.1 ms, and exact-er
-            head.packed.use_vnni_gemv()
+    for mod in model.modules():
+        if isinstance(mod, Int8Linear):   # batch-1 LM head: 2.9 -> 1.1 ms, and exact-er
+            mod.use_vnni_gemv()
     if hasattr(model, "forget_decode_plans"):   # its cached plans hold the replaced projections
         model.forget_decode_plans()
     count = len(targets) + len(heads)
