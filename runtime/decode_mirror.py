@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cpu_kernels
 from .forward_batch import AttnGroup
 from .memory_pool import KVPool
 
@@ -55,6 +56,7 @@ class DecodeMirror:
         self.clock = 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        self._arange_cache = torch.arange(64)
         self._reset_index(0, 0)
 
     def _reset_index(self, rows: int, length: int) -> None:
@@ -86,6 +88,10 @@ class DecodeMirror:
             return None
         pre, seq = g.prefix_lens, g.seq_lens
         kv = g.kv_indices.view(n, length)
+        if max_q == 1 and not with_mask:
+            plan = self._plan_steady(g, kv)
+            if plan is not None:
+                return plan
         target, keep = self._match(g, kv)
         arange_n = torch.arange(n)
         order = None
@@ -127,6 +133,25 @@ class DecodeMirror:
                           None if keep_tok.numel() == row_of.numel() else keep_tok, keep_at,
                           fill_idx, fill_t,
                           self._mask(n, length, max_q, ext if order is None else ext[order]) if with_mask else None)
+
+    def _plan_steady(self, g: AttnGroup, kv: torch.Tensor) -> MirrorPlan | None:
+        """The steady step in one op (`cpu_kernels.mirror_steady_`): every row at its own mirror row,
+        each mirror still equal to the pool, one token appended each. None where that does not hold
+        (nothing changed then) or the kernels are not built."""
+        rows = g.rows
+        if not cpu_kernels.enabled(self.pool.k[0]) or any(self.mirror_row.get(r) != b for b, r in enumerate(rows)):
+            return None
+        keep_at = torch.ops.plait_cpu.mirror_steady_(self.ids, self.stamps, self.lens, self.slot_stamp, kv,
+                                                     g.prefix_lens, self.clock, self.kv_heads)
+        if keep_at.numel() == 0:
+            return None
+        n = g.bsz
+        return MirrorPlan(n, g.max_kv, 1, self._arange(n), None, None, None, keep_at, None, slice(0, 0), None)
+
+    def _arange(self, n: int) -> torch.Tensor:
+        if self._arange_cache.numel() < n:
+            self._arange_cache = torch.arange(max(n, 64))
+        return self._arange_cache[:n]
 
     def _match(self, g: AttnGroup, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mirror row of each batch row, and whether it is kept (it holds at least the row's

@@ -93,7 +93,7 @@ def sdpa_reference(q, k, v, lens, scale):
 
 @pytest.mark.parametrize("kv_dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128, 8])     # the AVX-512 paths and the plain one
-@pytest.mark.parametrize("rows,length", [(1, 37), (3, 300), (8, 1000)])
+@pytest.mark.parametrize("rows,length", [(1, 37), (1, 700), (3, 300), (8, 1000)])   # (1, 700): keys split in two
 # queries per KV head: 3 (SmolLM2), 1, 2, and 8 (scores in blocks of 3 + 3 + 2; values unrolled or not)
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 4), (16, 2)])
 def test_decode_attention_matches_sdpa(kv_dtype, head_dim, rows, length, heads, kv_heads):
@@ -110,6 +110,22 @@ def test_decode_attention_matches_sdpa(kv_dtype, head_dim, rows, length, heads, 
     torch.testing.assert_close(got, sdpa_reference(q, k, v, lens, scale), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(eager(cpu_kernels.decode_attention, q, k, v, lens, scale),
                                sdpa_reference(q, k, v, lens, scale), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_split_keys_merge_exactly_enough():
+    """Few (row, KV head) tasks for the threads: keys split into up to 8 parts, merged by their
+    softmax statistics; parts with no keys (a short row next to a long one) count for nothing."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        g = torch.Generator().manual_seed(5)
+        k, v = (torch.randn(2, 1, 1100, 64, generator=g) for _ in range(2))
+        q = torch.randn(2, 2, 64, generator=g)
+        lens = torch.tensor([1100, 3])
+        got = cpu_kernels.decode_attention(q, k, v, lens, 0.125)
+        torch.testing.assert_close(got, sdpa_reference(q, k, v, lens, 0.125), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_decode_attention_rejects_bad_lengths():
@@ -374,3 +390,28 @@ def test_argmax_rows_is_torch_argmax(rows, n):
     if n > 1:
         x[-1, n - 1] = float("nan")          # the first NaN of the row counts
     assert torch.equal(cpu_kernels.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_mirror_steady_appends_or_changes_nothing():
+    """The decode mirror's steady step: rows whose mirror equals the pool get their new token
+    recorded and its K/V rows' places returned; one stale entry anywhere and nothing changes."""
+    cap, kv_heads = 8, 3
+    ids = torch.zeros(3, cap, dtype=torch.int64)
+    stamps = torch.full((3, cap), -1, dtype=torch.int64)
+    lens = torch.zeros(3, dtype=torch.int64)
+    slot_stamp = torch.zeros(100, dtype=torch.int64)
+    kv = torch.tensor([[5, 6, 7, 0], [9, 10, 11, 12]])      # two rows, prefixes 2 and 3
+    pre = torch.tensor([2, 3])
+    ids[0, :2], ids[1, :3] = kv[0, :2], kv[1, :3]
+    stamps[0, :2], stamps[1, :3] = 4, 3
+    slot_stamp[[5, 6]], slot_stamp[[9, 10, 11]] = 4, 3
+    lens[:2] = pre
+    before = (ids.clone(), stamps.clone(), lens.clone())
+    slot_stamp[10] = 7                                        # slot 10 rewritten since it was copied
+    out = torch.ops.plait_cpu.mirror_steady_(ids, stamps, lens, slot_stamp, kv, pre, 9, kv_heads)
+    assert out.numel() == 0
+    assert all(torch.equal(a, b) for a, b in zip((ids, stamps, lens), before))
+    slot_stamp[10] = 3
+    out = torch.ops.plait_cpu.mirror_steady_(ids, stamps, lens, slot_stamp, kv, pre, 9, kv_heads)
+    assert out.tolist() == [(b * kv_heads + h) * cap + p for b, p in ((0, 2), (1, 3)) for h in range(kv_heads)]
+    assert ids[0, 2] == 7 and ids[1, 3] == 12 and stamps[0, 2] == stamps[1, 3] == 9 and lens.tolist() == [3, 4, 0]

@@ -320,8 +320,8 @@ void attention_scores(const float* q, const KV* k, int64_t k_stride, int64_t len
   }
 }
 
-// In place: s[0, len) -> softmax(s).
-inline void softmax_inplace(float* s, int64_t len) {
+// In place: s[0, len) -> exp(s - max(s)); returns (max(s), the sum of the exps).
+inline std::pair<float, float> exp_inplace(float* s, int64_t len) {
   const float mx = *std::max_element(s, s + len);
   float sum = 0.f;
   int64_t j = 0;
@@ -338,8 +338,13 @@ inline void softmax_inplace(float* s, int64_t len) {
     s[j] = std::exp(s[j] - mx);
     sum += s[j];
   }
-  const float inv = 1.f / sum;
-  for (j = 0; j < len; ++j) s[j] *= inv;
+  return {mx, sum};
+}
+
+// In place: s[0, len) -> softmax(s).
+inline void softmax_inplace(float* s, int64_t len) {
+  const float inv = 1.f / exp_inplace(s, len).second;
+  for (int64_t j = 0; j < len; ++j) s[j] *= inv;
 }
 
 #if defined(__AVX512F__)
@@ -399,28 +404,75 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at:
   const KV* vp = v.data_ptr<KV>();
   int64_t max_len = 0;
   for (int64_t b = 0; b < n; ++b) max_len = std::max(max_len, lens[b]);
-  const int64_t per_task = std::max<int64_t>(1, 2 * G * max_len * D);
-  at::parallel_for(0, n * KVH, grain(per_task, 1 << 17), [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(G * std::max<int64_t>(max_len, 1)), qf(G * D), of(G * D);
+  // Fewer (row, KV head) tasks than twice the threads (batch 1 on SmolLM2: 3 tasks, 2 threads, one
+  // idle a third of the time): each task's keys are split into `parts`, each part's softmax kept
+  // unnormalized with its max and sum, and the parts merged after (as flash-decoding does).
+  const int64_t threads = at::get_num_threads();
+  int64_t parts = 1;
+  while (n * KVH * parts < 2 * threads && max_len >= 128 * 2 * parts && parts < 8) parts *= 2;
+  const int64_t per_task = std::max<int64_t>(1, 2 * G * max_len * D / parts);
+  std::vector<float> partial(parts > 1 ? n * KVH * parts * G * (D + 2) : 0);   // [task][g]: max, sum, o[D]
+  at::parallel_for(0, n * KVH * parts, grain(per_task, 1 << 17), [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(G * std::max<int64_t>((max_len + parts - 1) / parts, 1)), qf(G * D), of(G * D);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / KVH, kvh = task % KVH, len = lens[b];
+      const int64_t b = task / (KVH * parts), kvh = task / parts % KVH, part = task % parts;
+      const int64_t j0 = lens[b] * part / parts, len = lens[b] * (part + 1) / parts - j0;
       for (int64_t g = 0; g < G; ++g) {   // the G queries of this KV head, as float32 rows
         const Q* qg = qp + b * q.stride(0) + (kvh * G + g) * q.stride(1);
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = f32(qg[d]);
       }
       Q* ob = op + (b * H + kvh * G) * D;
+      float* pt = partial.data() + task * G * (D + 2);
       if (len <= 0) {
-        std::fill(ob, ob + G * D, Q(0.f));
+        if (parts == 1) std::fill(ob, ob + G * D, Q(0.f));
+        else for (int64_t g = 0; g < G; ++g) pt[g * (D + 2)] = -std::numeric_limits<float>::infinity();
         continue;
       }
-      const KV* vb = vp + b * v.stride(0) + kvh * v.stride(1);
-      attention_scores(qf.data(), kp + b * k.stride(0) + kvh * k.stride(1), k.stride(2), len, G, D, scale,
-                       scores.data(), vb, v.stride(2));
-      for (int64_t g = 0; g < G; ++g) softmax_inplace(scores.data() + g * len, len);
+      const KV* kb = kp + b * k.stride(0) + kvh * k.stride(1) + j0 * k.stride(2);
+      const KV* vb = vp + b * v.stride(0) + kvh * v.stride(1) + j0 * v.stride(2);
+      attention_scores(qf.data(), kb, k.stride(2), len, G, D, scale, scores.data(), vb, v.stride(2));
+      if (parts == 1) {
+        for (int64_t g = 0; g < G; ++g) softmax_inplace(scores.data() + g * len, len);
+        attention_values(scores.data(), vb, v.stride(2), len, G, D, of.data());
+        for (int64_t i = 0; i < G * D; ++i) ob[i] = Q(of[i]);
+        continue;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const auto [mx, sum] = exp_inplace(scores.data() + g * len, len);
+        pt[g * (D + 2)] = mx;
+        pt[g * (D + 2) + 1] = sum;
+      }
       attention_values(scores.data(), vb, v.stride(2), len, G, D, of.data());
-      for (int64_t i = 0; i < G * D; ++i) ob[i] = Q(of[i]);
+      for (int64_t g = 0; g < G; ++g) std::copy(of.data() + g * D, of.data() + (g + 1) * D, pt + g * (D + 2) + 2);
     }
   });
+  if (parts == 1) return;
+  std::vector<float> acc(D);
+  for (int64_t t = 0; t < n * KVH; ++t) {   // merge: o = sum_p e_p o_p / sum_p e_p sum_p, e_p = exp(max_p - max)
+    const int64_t b = t / KVH, kvh = t % KVH;
+    Q* ob = op + (b * H + kvh * G) * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* p0 = partial.data() + t * parts * G * (D + 2) + g * (D + 2);
+      const int64_t stride = G * (D + 2);
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, p0[p * stride]);
+      if (mx == -std::numeric_limits<float>::infinity()) {   // no keys at all
+        std::fill(ob + g * D, ob + (g + 1) * D, Q(0.f));
+        continue;
+      }
+      float sum = 0.f;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p = 0; p < parts; ++p) {
+        const float* pp = p0 + p * stride;
+        if (pp[0] == -std::numeric_limits<float>::infinity()) continue;
+        const float e = std::exp(pp[0] - mx);
+        sum += e * pp[1];
+        for (int64_t d = 0; d < D; ++d) acc[d] += e * pp[2 + d];
+      }
+      const float inv = 1.f / sum;
+      for (int64_t d = 0; d < D; ++d) ob[g * D + d] = Q(acc[d] * inv);
+    }
+  }
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lens,
@@ -908,6 +960,49 @@ bool has_vnni() {
 #endif
 }
 
+// ---- the decode mirror's steady step ---------------------------------------------------------------
+// DecodeMirror.plan's common case in one op (its ~30 small tensor ops cost ~0.25 ms a step): every
+// decode row b sits at mirror row b and appends one token. Checks that each row's mirror still
+// equals the pool (length >= prefix, and each of its first prefix entries the same slot, unwritten
+// since it was copied: ids == kv and stamps == slot_stamp[kv]); if every row does, records the new
+// token (ids, stamps, lens) and returns where its K/V rows go (mirror_at, as kv_write_ takes it);
+// else changes nothing and returns an empty tensor (the caller plans in full).
+at::Tensor mirror_steady_(at::Tensor ids, at::Tensor stamps, at::Tensor lens, const at::Tensor& slot_stamp,
+                          const at::Tensor& kv, const at::Tensor& pre, int64_t clock, int64_t kv_heads) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong && stamps.scalar_type() == at::kLong && lens.scalar_type() == at::kLong &&
+                  slot_stamp.scalar_type() == at::kLong && kv.scalar_type() == at::kLong && pre.scalar_type() == at::kLong,
+              "mirror_steady_: int64 tensors only");
+  TORCH_CHECK(ids.dim() == 2 && ids.is_contiguous() && stamps.sizes() == ids.sizes() && stamps.is_contiguous() &&
+                  lens.is_contiguous() && slot_stamp.is_contiguous() && kv.dim() == 2 && kv.is_contiguous() &&
+                  pre.is_contiguous() && pre.numel() == kv.size(0) && kv.size(0) <= ids.size(0) &&
+                  lens.numel() >= kv.size(0) && kv.size(1) <= ids.size(1),
+              "mirror_steady_: ids/stamps [rows, cap], kv [n <= rows, L <= cap], pre [n]");
+  const int64_t n = kv.size(0), L = kv.size(1), cap = ids.size(1), slots = slot_stamp.numel();
+  int64_t* idp = ids.data_ptr<int64_t>();
+  int64_t* stp = stamps.data_ptr<int64_t>();
+  int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t *ssp = slot_stamp.data_ptr<int64_t>(), *kvp = kv.data_ptr<int64_t>(), *pp = pre.data_ptr<int64_t>();
+  for (int64_t b = 0; b < n; ++b) {
+    const int64_t p = pp[b];
+    if (p < 0 || p >= L || lp[b] < p) return at::empty({0}, kv.options());
+    const int64_t *ib = idp + b * cap, *sb = stp + b * cap, *kb = kvp + b * L;
+    for (int64_t j = 0; j < p; ++j) {
+      const int64_t slot = kb[j];
+      if (ib[j] != slot || slot < 0 || slot >= slots || sb[j] != ssp[slot]) return at::empty({0}, kv.options());
+    }
+  }
+  at::Tensor at_ = at::empty({n * kv_heads}, kv.options());
+  int64_t* ap = at_.data_ptr<int64_t>();
+  for (int64_t b = 0; b < n; ++b) {
+    const int64_t p = pp[b];
+    idp[b * cap + p] = kvp[b * L + p];
+    stp[b * cap + p] = clock;
+    lp[b] = p + 1;
+    for (int64_t h = 0; h < kv_heads; ++h) ap[b * kv_heads + h] = (b * kv_heads + h) * cap + p;
+  }
+  return at_;
+}
+
 // ---- greedy sampling: each row's argmax ----------------------------------------------------------
 // torch's argmax reads float32 logits at ~5 GB/s here (1.1 ms for 32 rows of a 49152-token
 // vocabulary); this keeps 16 running maxima and their indices. Same result: the first index of the
@@ -1031,6 +1126,8 @@ TORCH_LIBRARY(plait_cpu, m) {
   m.def("small_gemm(Tensor x, Tensor w, Tensor? bias, int n, bool widen=False) -> Tensor");
   m.def("int4_gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("mirror_steady_(Tensor(a!) ids, Tensor(b!) stamps, Tensor(c!) lens, Tensor slot_stamp, Tensor kv, Tensor pre, "
+        "int clock, int kv_heads) -> Tensor");
   m.def("has_vnni() -> bool");
   m.def("has_small_gemm(bool bf16) -> bool");
   m.def("decode_layers_(Tensor(a!) x, Tensor? delta, Tensor[] weights, int[] kinds, Tensor cos, Tensor sin, "
@@ -1057,4 +1154,5 @@ TORCH_LIBRARY_IMPL(plait_cpu, CPU, m) {
   m.impl("kv_write_", &kv_write_);
   m.impl("decode_layers_", &decode_layers_);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("mirror_steady_", &mirror_steady_);
 }
