@@ -44,6 +44,7 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor     # [T] int64: KV slots written this step
     groups: list[AttnGroup]
     logits_index: torch.Tensor      # [N] flat positions whose logits the caller wants
+    logits_all: bool = False        # logits_index is every position in order (a pure decode step)
 
     @classmethod
     def build(cls, input_ids: list[int], req_rows: list[int], prefix_lens: list[int],
@@ -75,6 +76,7 @@ class ForwardBatch:
             out_cache_loc=out_cache_loc.to(device),
             groups=groups,
             logits_index=torch.tensor(logits_index, dtype=torch.int64, device=device),
+            logits_all=len(logits_index) == len(input_ids) and logits_index == list(range(len(input_ids))),
         )
 
 

@@ -160,6 +160,8 @@ class LlamaForCausalLM(nn.Module):
         if delta is None:
             for layer in self.layers:
                 x, delta = layer(x, delta, cos, sin, batch, backend)
+        if batch.logits_all:   # every row's logits (decode): no gather of 2 x [rows, hidden]
+            return self.lm_head(self.norm(x, delta))
         idx = batch.logits_index
         return self.lm_head(self.norm(x.index_select(0, idx), delta.index_select(0, idx)))
 
