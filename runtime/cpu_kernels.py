@@ -4,8 +4,11 @@ output in the model's dtype: no copies around it) and the MLP's silu(gate) * up,
 of 3-10 aten ops; `small_gemm`, the float32 / bfloat16 projections at decode's batch sizes
 (weights in panels of 32 output columns, 12 rows of x against a panel at a time, bfloat16 by AVX512-BF16
 dot products; `prepack.py`);
-`int8_gemv`, the AVX512-VNNI int8 LM head, and `int4_gemv`, int4 (GGUF Q4_1) layers at decode's few
-rows on int16 activations, also by VNNI (`quantization.py`).
+`int8_gemv`, AVX512-VNNI int8 layers and LM head, and `int4_gemv`, int4 (GGUF Q4_1) layers at decode's few
+rows on int16 activations, also by VNNI (`quantization.py`); `decode_layers_`, a steady decode step's
+decoder layers in one op (the same kernels as the layer loop, in its order: models/llama.py);
+`mirror_steady_`, the decode mirror's book-keeping for such a step (decode_mirror.py); `argmax_rows`,
+greedy sampling.
 
 At decode batch sizes these ops touch a few KB each, so in eager PyTorch their cost is dispatch
 and OpenMP wake-ups; decode attention streams each row's K/V once for all the queries sharing a KV
