@@ -145,6 +145,8 @@ class DecodeMirror:
                                                      g.prefix_lens, self.clock, self.kv_heads)
         if keep_at.numel() == 0:
             return None
+        # mirror_row keeps rows that left the batch (the full plan drops them): harmless, any row is
+        # checked against the pool before its mirror is used
         n = g.bsz
         return MirrorPlan(n, g.max_kv, 1, self._arange(n), None, None, None, keep_at, None, slice(0, 0), None)
 

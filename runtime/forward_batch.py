@@ -103,6 +103,7 @@ def _build_group(start: int, rows: list[int], prefix_lens: list[int], extend_len
     ext = torch.tensor(extend_lens, dtype=torch.int64)
     pre = torch.tensor(prefix_lens, dtype=torch.int64)
     seq = torch.tensor(seq_list, dtype=torch.int64)
+    # one row: a view of the table (nothing writes the table while the step runs)
     table = req_to_token[rows[0], :max_kv] if bsz == 1 else req_to_token[torch.tensor(rows), :max_kv]
     kv_indices = table.reshape(-1)
     kv_pos = torch.arange(max_kv)

@@ -1126,7 +1126,7 @@ void prefetch_kv_targets(const at::Tensor& pool_k, const at::Tensor& pool_v, con
   }
 }
 
-at::Tensor decode_layers_(at::Tensor x, const c10::optional<at::Tensor>& delta, at::TensorList weights,
+at::Tensor decode_layers_(at::Tensor x, at::TensorList weights,
                           at::IntArrayRef kinds, const at::Tensor& cos, const at::Tensor& sin, at::TensorList pool_k,
                           at::TensorList pool_v, const at::Tensor& slots, at::TensorList mirror_k,
                           at::TensorList mirror_v, const at::Tensor& mirror_at, const at::Tensor& lens,
@@ -1138,7 +1138,7 @@ at::Tensor decode_layers_(at::Tensor x, const c10::optional<at::Tensor>& delta, 
               "decode_layers_: per layer 10 weights, 8 kinds, a pool and a mirror for K and V");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decode_layers_: x must be contiguous [rows, hidden]");
   const int64_t rows = x.size(0), q_width = heads * head_dim, kv_width = kv_heads * head_dim;
-  at::Tensor d = delta.has_value() ? *delta : at::Tensor();
+  at::Tensor d;   // the previous layer's output, added to x by the next norm (none before layer 0)
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + 10 * l;
     const int64_t* kind = kinds.data() + 8 * l;
@@ -1176,7 +1176,7 @@ TORCH_LIBRARY(plait_cpu, m) {
         "int clock, int kv_heads) -> Tensor");
   m.def("has_vnni() -> bool");
   m.def("has_small_gemm(bool bf16) -> bool");
-  m.def("decode_layers_(Tensor(a!) x, Tensor? delta, Tensor[] weights, int[] kinds, Tensor cos, Tensor sin, "
+  m.def("decode_layers_(Tensor(a!) x, Tensor[] weights, int[] kinds, Tensor cos, Tensor sin, "
         "Tensor(b!)[] pool_k, Tensor(c!)[] pool_v, Tensor slots, Tensor(d!)[] mirror_k, Tensor(e!)[] mirror_v, "
         "Tensor mirror_at, Tensor lens, int heads, int kv_heads, int head_dim, float eps, float scale) -> Tensor");
   m.def("kv_write_(Tensor(a!) pool_k, Tensor(b!) pool_v, Tensor slots, Tensor k, Tensor v, Tensor(c!)? mirror_k, "

@@ -184,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         attn = self.layers[0].self_attn
         return torch.ops.plait_cpu.decode_layers_(
-            x, None, plan[0], plan[1], cos, sin, *state, attn.num_heads, attn.kv_heads, attn.head_dim,
+            x, plan[0], plan[1], cos, sin, *state, attn.num_heads, attn.kv_heads, attn.head_dim,
             self.layers[0].input_layernorm.eps, attn.scale)
 
     def forget_decode_plans(self) -> None:
