@@ -20,8 +20,8 @@ replaced by a module holding quantized weights.
   (int8pack alone 658).
 - `w8a8` (opt-in, `PLAIT_INT8_KERNEL=w8a8`): activations quantized to int8 per token, then
   `torch._int_mm` (int8 x int8 -> int32): 2.2x faster than float32 at M=32, but on SmolLM2 it costs
-  perplexity 24.08 -> 25.51 and 94% teacher-forced top-1 agreement (the weight-only default:
-  24.09, 97%; tests/test_quantization.py), so it is not the default. (fbgemm's dynamic int8 linear, per-tensor activations, was
+  perplexity 24.08 -> 25.51 and 94% teacher-forced top-1 agreement (the weight-only default then:
+  24.09, 97%; `plait bench quality --configs int8` with today's kernels: 24.03, 94%), so it is not the default. (fbgemm's dynamic int8 linear, per-tensor activations, was
   faster still and worse: perplexity 39.6.)
 - `dequant`: dequantize then `F.linear`; the CUDA int8 path and the reference.
 
