@@ -365,6 +365,16 @@ def test_decode_layers_equals_the_layer_loop(tiny_model_dirs, arch, dtype, quant
     assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize("dtype,quantization,rows", [("bfloat16", "int4", 2), ("bfloat16", None, 3)])
+def test_decode_layers_equal_the_layer_loop_on_smollm2(smollm2_path, dtype, quantization, rows):
+    """The same on the real model's shapes (head_dim 64, 9 query / 3 KV heads, int4 groups of 32)."""
+    args = dict(dtype=dtype, quantization=quantization)
+    got, fused_steps = _decode_logits(smollm2_path, True, rows, **args)
+    ref, _ = _decode_logits(smollm2_path, False, rows, **args)
+    assert fused_steps >= 4 and len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
 def test_decode_layers_leave_out_what_they_do_not_run(tiny_model_dirs):
     """qk-norm layers (Qwen3) are not among the op's: every step runs the layer loop."""
     _, fused_steps = _decode_logits(tiny_model_dirs["qwen3"], True, 2, dtype="float32")
