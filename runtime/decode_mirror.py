@@ -56,7 +56,6 @@ class DecodeMirror:
         self.clock = 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
-        self._arange_cache = torch.arange(64)
         self._reset_index(0, 0)
 
     def _reset_index(self, rows: int, length: int) -> None:
@@ -148,12 +147,7 @@ class DecodeMirror:
         # mirror_row keeps rows that left the batch (the full plan drops them): harmless, any row is
         # checked against the pool before its mirror is used
         n = g.bsz
-        return MirrorPlan(n, g.max_kv, 1, self._arange(n), None, None, None, keep_at, None, slice(0, 0), None)
-
-    def _arange(self, n: int) -> torch.Tensor:
-        if self._arange_cache.numel() < n:
-            self._arange_cache = torch.arange(max(n, 64))
-        return self._arange_cache[:n]
+        return MirrorPlan(n, g.max_kv, 1, torch.arange(n), None, None, None, keep_at, None, slice(0, 0), None)
 
     def _match(self, g: AttnGroup, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mirror row of each batch row, and whether it is kept (it holds at least the row's

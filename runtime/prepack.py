@@ -69,9 +69,11 @@ class PackedLinear(nn.Module):
     def decode_kernel(self, rows: int, dtype: torch.dtype) -> tuple | None:
         """What `forward` runs for `rows` rows of `dtype` as `cpu_kernels.decode_layers_` takes it:
         (kind 0 = small_gemm, panels, float32 bias or None, out_features); None if not small_gemm."""
-        if 1 <= rows <= self.small_rows and dtype == self.panels.dtype:
-            return 0, self.panels, self.small_bias, self.out_features
-        return None
+        return (0, self.panels, self.small_bias, self.out_features) if self._small_takes(rows, dtype) else None
+
+    def _small_takes(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether `small_gemm` runs these rows (`forward` and `decode_kernel` agree through this)."""
+        return 1 <= rows <= self.small_rows and dtype == self.panels.dtype
 
     widens = True   # forward takes `widen`
 
@@ -81,7 +83,7 @@ class PackedLinear(nn.Module):
         flat = x.dim() == 2   # the model's case: no reshapes (at batch 1 every op here costs)
         x2 = x if flat else x.reshape(-1, x.shape[-1])
         rows = x2.shape[0]
-        if 1 <= rows <= self.small_rows and x2.dtype == self.panels.dtype:
+        if self._small_takes(rows, x2.dtype):
             y = torch.ops.plait_cpu.small_gemm(x2, self.panels, self.small_bias, self.out_features, widen)
         elif self.halves is not None and rows == 1 and x2.is_contiguous():
             # [2, N/2, K] @ [2, K, 1] -> [2, N/2, 1], which is the [1, N] row as it lies
