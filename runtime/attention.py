@@ -124,6 +124,7 @@ class MirroredAttention(TorchNativeAttention):
         self._plan: MirrorPlan | None = None
         self._kernel = False   # this step's one-token decode rows go through cpu_kernels.decode_attention
         self._fused = False
+        self._rows: torch.Tensor | None = None   # batch row b's mirror row when not b
 
     def _begin(self, batch: ForwardBatch) -> None:
         super()._begin(batch)
@@ -132,22 +133,25 @@ class MirroredAttention(TorchNativeAttention):
         # one-token rows through the fused kernel take their lengths, not a mask
         kernel = self._kernel = last is not None and last.max_q == 1 and cpu_kernels.enabled(self.pool.k[0])
         plan = self._plan = self.mirror.plan(last, with_mask=not kernel) if last is not None and last.decode else None
-        # The steady decode step (only decode rows, each appending one token to its mirror row, in
-        # batch order): K/V writes and attention in two fused ops per layer.
-        self._fused = (plan is not None and len(batch.groups) == 1 and plan.max_q == 1 and plan.order is None
+        # The steady decode step (only decode rows, each appending one token to the mirror row it
+        # holds): K/V writes and attention in two fused ops per layer.
+        self._fused = (plan is not None and len(batch.groups) == 1 and plan.max_q == 1
                        and plan.keep_tok is None and plan.fill_idx is None and kernel)
+        # batch row b's mirror row, for the attention kernel (None: row b)
+        self._rows = None if plan is None or plan.order is None else plan.target
 
     def begin_fused_decode(self, batch: ForwardBatch) -> tuple | None:
         """Begin `batch`'s step ahead of its layers. On a steady decode step (see `_begin`), what
         `cpu_kernels.decode_layers_` takes to write every layer's K/V and attend: (pool K, pool V,
-        slots, mirror K, mirror V, mirror rows, lengths); else None, and the layers then call
-        `forward` as usual (without beginning the step again)."""
+        slots, mirror K, mirror V, where the K/V rows go, mirror lengths, each batch row's mirror row
+        or None); else None, and the layers then call `forward` as usual (without beginning the step
+        again)."""
         self._begin(batch)
         if not self._fused:
             self._begun = batch
             return None
         return (self.pool.k, self.pool.v, batch.out_cache_loc, self.mirror.k, self.mirror.v, self._plan.keep_at,
-                self.mirror.lens)
+                self.mirror.lens, self._rows)
 
     def _forward(self, q, k, v, layer_id, batch, scale):
         if not (self._fused and cpu_kernels.enabled(k)):
@@ -156,7 +160,7 @@ class MirroredAttention(TorchNativeAttention):
         cpu_kernels.kv_write_(self.pool.k[layer_id], self.pool.v[layer_id], batch.out_cache_loc, k, v,
                               mk, mv, plan.keep_at)
         # the mirror as it lies: its rows past plan.n and keys past each row's length are not read
-        return cpu_kernels.decode_attention(q, mk, mv, self.mirror.lens, scale).view(plan.n, -1)
+        return cpu_kernels.decode_attention(q, mk, mv, self.mirror.lens, scale, self._rows).view(plan.n, -1)
 
     def _attend_group(self, i, g, q, k, v, layer_id, scale):
         if self._plan is None or i != len(self._batch.groups) - 1:
@@ -169,13 +173,14 @@ class MirroredAttention(TorchNativeAttention):
         if not (plan.max_q == 1 and self._kernel):   # SDPA: one dtype for all of them
             q, keys, values = q.to(self.sdpa_dtype), keys.to(self.sdpa_dtype), values.to(self.sdpa_dtype)
         if plan.max_q == 1:
+            if self._kernel:   # one pass over each row's K/V, no mask (2x SDPA's speed); any dtypes
+                out = cpu_kernels.decode_attention(q, keys, values, self.mirror.lens, scale, self._rows)
+                return out.reshape(n, num_heads * head_dim)
+            # one query per head: fold the heads sharing a KV head into the query length (GQA)
             if plan.order is not None:
                 q = q[plan.order]
-            if self._kernel:   # one pass over each row's K/V, no mask (2x SDPA's speed); any dtypes
-                out = cpu_kernels.decode_attention(q, keys, values, self.mirror.lens, scale)
-            else:   # one query per head: fold the heads sharing a KV head into the query length (GQA)
-                q4 = q.view(n, kv_heads, num_heads // kv_heads, head_dim)
-                out = F.scaled_dot_product_attention(q4, keys, values, attn_mask=plan.mask, scale=scale)
+            q4 = q.view(n, kv_heads, num_heads // kv_heads, head_dim)
+            out = F.scaled_dot_product_attention(q4, keys, values, attn_mask=plan.mask, scale=scale)
             out = out.reshape(n, num_heads * head_dim)
             out = out if plan.order is None else out[plan.target]
         else:                   # drafts: padded queries, mirror order

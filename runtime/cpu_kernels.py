@@ -118,15 +118,20 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, hea
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, rows: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per row: q `[n, H, D]` (float32 or bfloat16, any strides), k/v
     `[>=n, KVH, >=L, D]` (views allowed; rows past n are ignored), row b attending to its first
-    `lens[b]` keys (`lens` may be longer than n). Computed in float32; returns `[n, H, D]` in q's
+    `lens[b]` keys (`lens` may be longer than n); with `rows` (int64 `[n]`), row b attends K/V row
+    `rows[b]` and its first `lens[rows[b]]` keys. Sums in float32 (bfloat16 q and K/V: by bfloat16
+    dot products, the probabilities rounded to bfloat16 as SDPA does); returns `[n, H, D]` in q's
     dtype."""
     if enabled(k) and enabled(q):
-        return torch.ops.plait_cpu.decode_attention(q, k, v, lens, scale)
+        return torch.ops.plait_cpu.decode_attention(q, k, v, lens, scale, rows)
     n, heads, dim = q.shape
-    k, v, lens = k[:n], v[:n], lens[:n]
+    if rows is None:
+        k, v, lens = k[:n], v[:n], lens[:n]
+    else:
+        k, v, lens = k[rows], v[rows], lens[rows]
     length = int(lens.max()) if lens.numel() else 0
     keys, values = k[:, :, :length].float(), v[:, :, :length].float()
     mask = torch.zeros((n, 1, 1, length))

@@ -134,20 +134,26 @@ class DecodeMirror:
                           self._mask(n, length, max_q, ext if order is None else ext[order]) if with_mask else None)
 
     def _plan_steady(self, g: AttnGroup, kv: torch.Tensor) -> MirrorPlan | None:
-        """The steady step in one op (`cpu_kernels.mirror_steady_`): every row at its own mirror row,
-        each mirror still equal to the pool, one token appended each. None where that does not hold
-        (nothing changed then) or the kernels are not built."""
-        rows = g.rows
-        if not cpu_kernels.enabled(self.pool.k[0]) or any(self.mirror_row.get(r) != b for b, r in enumerate(rows)):
+        """The steady step in one op (`cpu_kernels.mirror_steady_`): every row at the mirror row it
+        had (in any order: rows that came or went earlier leave the rest permuted, which must not
+        cost a full plan every step after), each mirror still equal to the pool, one token appended
+        each. None where that does not hold (nothing changed then) or the kernels are not built."""
+        n = g.bsz
+        targets = [self.mirror_row.get(r, -1) for r in g.rows]
+        if not cpu_kernels.enabled(self.pool.k[0]) or not all(0 <= t < n for t in targets):
             return None
+        target = torch.tensor(targets)   # distinct: one plan's mapping, left unchanged since
         keep_at = torch.ops.plait_cpu.mirror_steady_(self.ids, self.stamps, self.lens, self.slot_stamp, kv,
-                                                     g.prefix_lens, self.clock, self.kv_heads)
+                                                     g.prefix_lens, target, self.clock, self.kv_heads)
         if keep_at.numel() == 0:
             return None
+        order = None
+        if targets != list(range(n)):
+            order = torch.empty_like(target)
+            order[target] = torch.arange(n)
         # mirror_row keeps rows that left the batch (the full plan drops them): harmless, any row is
         # checked against the pool before its mirror is used
-        n = g.bsz
-        return MirrorPlan(n, g.max_kv, 1, torch.arange(n), None, None, None, keep_at, None, slice(0, 0), None)
+        return MirrorPlan(n, g.max_kv, 1, target, order, None, None, keep_at, None, slice(0, 0), None)
 
     def _match(self, g: AttnGroup, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mirror row of each batch row, and whether it is kept (it holds at least the row's

@@ -142,6 +142,10 @@ def test_mirror_appends_in_steady_state_and_refills_only_what_changed():
         assert plan_fills(sim) == 0                    # then one token per row per step
     sim.step([(r, 1) for r in reversed(rows)])         # same members, another order
     assert plan_fills(sim) == 0
+    for _ in range(2):                                 # which stays: the steady plan (fused with the
+        sim.step([(r, 1) for r in reversed(rows)])     # kernels), each row at the mirror row it holds
+        assert plan_fills(sim) == 0 and sim.backend._plan.order is not None
+        assert sim.backend._fused == cpu_kernels.enabled(sim.pool.k[0])
     sim.drop(rows[1])                                  # one leaves, one joins
     e = sim.new()
     sim.step([(e, 6)])

@@ -397,11 +397,72 @@ void attention_values(const float* p, const KV* v, int64_t v_stride, int64_t len
   }
 }
 
+#if defined(__AVX512BF16__)
+// ---- bfloat16 queries and keys: the scores by AVX512-BF16 dot products -----------------------------
+// A bfloat16 model's q and k are bfloat16, so q . k takes VDPBF16PS, 32 dims an instruction, instead
+// of widening each key to float32 first: the products are exact either way, only the order of the
+// float32 sums differs. (The same for p . v would need the probabilities rounded to bfloat16; that
+// gained ~3% at 32 rows x 160 keys, not worth the precision.)
+inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+
+template <int GN>
+inline void scores_block8_dot(const c10::BFloat16* q, const c10::BFloat16* k0, int64_t k_stride, int64_t D,
+                              __m512 vscale, float* scores, int64_t len) {
+  __m512 acc[GN][8];
+  for (int g = 0; g < GN; ++g)
+    for (int i = 0; i < 8; ++i) acc[g][i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 32) {
+    __m512bh qd[GN];
+    for (int g = 0; g < GN; ++g) qd[g] = as_bh(_mm512_loadu_si512(q + g * D + d));
+    for (int i = 0; i < 8; ++i) {
+      const __m512bh kd = as_bh(_mm512_loadu_si512(k0 + i * k_stride + d));
+      for (int g = 0; g < GN; ++g) acc[g][i] = _mm512_dpbf16_ps(acc[g][i], qd[g], kd);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    _mm256_storeu_ps(scores + g * len, _mm256_mul_ps(hsum8(acc[g]), _mm512_castps512_ps256(vscale)));
+}
+
+// attention_scores for bfloat16 q (G rows of D, contiguous) and keys; D a multiple of 32.
+void attention_scores_dot(const c10::BFloat16* q, const c10::BFloat16* k, int64_t k_stride, int64_t len, int64_t G,
+                          int64_t D, float scale, float* scores, const c10::BFloat16* v, int64_t v_stride) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const int64_t ahead = prefetch_rows<c10::BFloat16>(D);
+  int64_t j = 0;
+  for (; j + 8 <= len; j += 8) {
+    for (int64_t r = j + ahead; r < j + ahead + 8; ++r) {
+      if (r < len) prefetch_row(k + r * k_stride, D);
+      else if (r - len < len) prefetch_row(v + (r - len) * v_stride, D);
+    }
+    for (int64_t g0 = 0; g0 < G; g0 += 3) {
+      const c10::BFloat16* qg = q + g0 * D;
+      float* sg = scores + g0 * len + j;
+      switch (std::min<int64_t>(3, G - g0)) {
+        case 3: scores_block8_dot<3>(qg, k + j * k_stride, k_stride, D, vscale, sg, len); break;
+        case 2: scores_block8_dot<2>(qg, k + j * k_stride, k_stride, D, vscale, sg, len); break;
+        default: scores_block8_dot<1>(qg, k + j * k_stride, k_stride, D, vscale, sg, len); break;
+      }
+    }
+  }
+  for (; j < len; ++j) {
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 32)
+        acc = _mm512_dpbf16_ps(acc, as_bh(_mm512_loadu_si512(q + g * D + d)),
+                               as_bh(_mm512_loadu_si512(k + j * k_stride + d)));
+      scores[g * len + j] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+}
+
+#endif
+
 // q [n, H, D] in its own dtype Q and strides (unit stride in D): each task widens its G queries to
-// float32 and writes its output rows in Q, so a bfloat16 model's step pays no copies around the op.
+// float32 (bfloat16 q and K/V: the scores take them as they are) and writes its output rows in Q, so a
+// bfloat16 model's step pays no copies around the op.
 template <typename KV, typename Q>
 void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* lens,
-                             float scale, at::Tensor& out) {
+                             const int64_t* rows, float scale, at::Tensor& out) {
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
   const int64_t G = H / KVH;
   const Q* qp = q.data_ptr<Q>();
@@ -409,7 +470,8 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at:
   const KV* kp = k.data_ptr<KV>();
   const KV* vp = v.data_ptr<KV>();
   int64_t max_len = 0;
-  for (int64_t b = 0; b < n; ++b) max_len = std::max(max_len, lens[b]);
+  auto row = [rows](int64_t b) { return rows ? rows[b] : b; };   // batch row b's K/V row
+  for (int64_t b = 0; b < n; ++b) max_len = std::max(max_len, lens[row(b)]);
   // Fewer (row, KV head) tasks than twice the threads (batch 1 on SmolLM2: 3 tasks, 2 threads, one
   // idle a third of the time): each task's keys are split into `parts`, each part's softmax kept
   // unnormalized with its max and sum, and the parts merged after (as flash-decoding does).
@@ -418,13 +480,25 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at:
   while (n * KVH * parts < 2 * threads && max_len >= 128 * 2 * parts && parts < 8) parts *= 2;
   const int64_t per_task = std::max<int64_t>(1, 2 * G * max_len * D / parts);
   std::vector<float> partial(parts > 1 ? n * KVH * parts * G * (D + 2) : 0);   // [task][g]: max, sum, o[D]
+#if defined(__AVX512BF16__)
+  const bool dot = std::is_same_v<KV, c10::BFloat16> && std::is_same_v<Q, c10::BFloat16> && D % 32 == 0;
+#else
+  const bool dot = false;
+#endif
   at::parallel_for(0, n * KVH * parts, grain(per_task, 1 << 17), [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * std::max<int64_t>((max_len + parts - 1) / parts, 1)), qf(G * D), of(G * D);
+    std::vector<c10::BFloat16> qb(dot ? G * D : 0);   // the dot path's queries
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (KVH * parts), kvh = task / parts % KVH, part = task % parts;
-      const int64_t j0 = lens[b] * part / parts, len = lens[b] * (part + 1) / parts - j0;
-      for (int64_t g = 0; g < G; ++g) {   // the G queries of this KV head, as float32 rows
+      const int64_t m = row(b), j0 = lens[m] * part / parts, len = lens[m] * (part + 1) / parts - j0;
+      for (int64_t g = 0; g < G; ++g) {   // the G queries of this KV head: float32 rows (the dot path: as they are)
         const Q* qg = qp + b * q.stride(0) + (kvh * G + g) * q.stride(1);
+        if constexpr (std::is_same_v<Q, c10::BFloat16>) {
+          if (dot) {
+            std::copy(qg, qg + D, qb.data() + g * D);
+            continue;
+          }
+        }
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = f32(qg[d]);
       }
       Q* ob = op + (b * H + kvh * G) * D;
@@ -434,14 +508,19 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at:
         else for (int64_t g = 0; g < G; ++g) pt[g * (D + 2)] = -std::numeric_limits<float>::infinity();
         continue;
       }
-      const KV* kb = kp + b * k.stride(0) + kvh * k.stride(1) + j0 * k.stride(2);
-      const KV* vb = vp + b * v.stride(0) + kvh * v.stride(1) + j0 * v.stride(2);
-      attention_scores(qf.data(), kb, k.stride(2), len, G, D, scale, scores.data(), vb, v.stride(2));
+      const KV* kb = kp + m * k.stride(0) + kvh * k.stride(1) + j0 * k.stride(2);
+      const KV* vb = vp + m * v.stride(0) + kvh * v.stride(1) + j0 * v.stride(2);
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<KV, c10::BFloat16>) {
+        if (dot) attention_scores_dot(qb.data(), kb, k.stride(2), len, G, D, scale, scores.data(), vb, v.stride(2));
+      }
+#endif
+      if (!dot) attention_scores(qf.data(), kb, k.stride(2), len, G, D, scale, scores.data(), vb, v.stride(2));
 #if defined(__AVX512F__)
       if (task + 1 < end) {   // the next task's first keys, while this one's values are read
         const int64_t nb = (task + 1) / (KVH * parts), nkvh = (task + 1) / parts % KVH, npart = (task + 1) % parts;
-        const KV* nk = kp + nb * k.stride(0) + nkvh * k.stride(1) + lens[nb] * npart / parts * k.stride(2);
-        for (int64_t r = 0, rows = prefetch_rows<KV>(D); r < rows; ++r) prefetch_row(nk + r * k.stride(2), D);
+        const KV* nk = kp + row(nb) * k.stride(0) + nkvh * k.stride(1) + lens[row(nb)] * npart / parts * k.stride(2);
+        for (int64_t r = 0, ahead = prefetch_rows<KV>(D); r < ahead; ++r) prefetch_row(nk + r * k.stride(2), D);
       }
 #endif
       if (parts == 1) {
@@ -488,8 +567,10 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at:
   }
 }
 
+// rows (optional, int64 [n]): batch row b attends K/V row rows[b] with lens[rows[b]] (a decode mirror
+// whose rows are held in another order than the batch's); by default row b.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lens,
-                            double scale) {
+                            double scale, const c10::optional<at::Tensor>& rows) {
   check_cpu(q, "q");
   TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
               "decode_attention: q must be float32 or bfloat16 [n, heads, head_dim]");
@@ -503,17 +584,25 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16,
               "decode_attention: float32 or bfloat16 K/V only, got ", k.scalar_type());
   const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* rp = nullptr;
+  if (rows.has_value() && rows->defined()) {
+    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->is_contiguous() && rows->numel() == q.size(0),
+                "decode_attention: rows must be int64 [n]");
+    rp = rows->data_ptr<int64_t>();
+  }
   for (int64_t b = 0; b < q.size(0); ++b) {
-    TORCH_CHECK(lp[b] <= k.size(2), "decode_attention: a row's length exceeds its keys");
+    const int64_t m = rp ? rp[b] : b;
+    TORCH_CHECK(m >= 0 && m < k.size(0) && m < lens.numel(), "decode_attention: a row's K/V row is out of range");
+    TORCH_CHECK(lp[m] <= k.size(2), "decode_attention: a row's length exceeds its keys");
   }
   const at::Tensor qs = q.stride(2) == 1 ? q : q.contiguous();
   at::Tensor out = at::empty(q.sizes(), q.options());   // the output in the query's dtype
   const float sc = static_cast<float>(scale);
   const bool kv_f32 = k.scalar_type() == at::kFloat, q_f32 = q.scalar_type() == at::kFloat;
-  if (kv_f32 && q_f32) decode_attention_kernel<float, float>(qs, k, v, lp, sc, out);
-  else if (kv_f32) decode_attention_kernel<float, c10::BFloat16>(qs, k, v, lp, sc, out);
-  else if (q_f32) decode_attention_kernel<c10::BFloat16, float>(qs, k, v, lp, sc, out);
-  else decode_attention_kernel<c10::BFloat16, c10::BFloat16>(qs, k, v, lp, sc, out);
+  if (kv_f32 && q_f32) decode_attention_kernel<float, float>(qs, k, v, lp, rp, sc, out);
+  else if (kv_f32) decode_attention_kernel<float, c10::BFloat16>(qs, k, v, lp, rp, sc, out);
+  else if (q_f32) decode_attention_kernel<c10::BFloat16, float>(qs, k, v, lp, rp, sc, out);
+  else decode_attention_kernel<c10::BFloat16, c10::BFloat16>(qs, k, v, lp, rp, sc, out);
   return out;
 }
 
@@ -980,30 +1069,34 @@ bool has_vnni() {
 
 // ---- the decode mirror's steady step ---------------------------------------------------------------
 // DecodeMirror.plan's common case in one op (its ~30 small tensor ops cost ~0.25 ms a step): every
-// decode row b sits at mirror row b and appends one token. Checks that each row's mirror still
-// equals the pool (length >= prefix, and each of its first prefix entries the same slot, unwritten
-// since it was copied: ids == kv and stamps == slot_stamp[kv]); if every row does, records the new
-// token (ids, stamps, lens) and returns where its K/V rows go (mirror_at, as kv_write_ takes it);
-// else changes nothing and returns an empty tensor (the caller plans in full).
+// decode row b sits at its mirror row targets[b] (kept from an earlier step) and appends one token.
+// Checks that each row's mirror still equals the pool (length >= prefix, and each of its first
+// prefix entries the same slot, unwritten since it was copied: ids == kv and stamps ==
+// slot_stamp[kv]); if every row does, records the new token (ids, stamps, lens) and returns where
+// its K/V rows go (mirror_at, as kv_write_ takes it); else changes nothing and returns an empty
+// tensor (the caller plans in full). The targets must be distinct (the caller's mapping is).
 at::Tensor mirror_steady_(at::Tensor ids, at::Tensor stamps, at::Tensor lens, const at::Tensor& slot_stamp,
-                          const at::Tensor& kv, const at::Tensor& pre, int64_t clock, int64_t kv_heads) {
+                          const at::Tensor& kv, const at::Tensor& pre, const at::Tensor& targets, int64_t clock,
+                          int64_t kv_heads) {
   TORCH_CHECK(ids.scalar_type() == at::kLong && stamps.scalar_type() == at::kLong && lens.scalar_type() == at::kLong &&
-                  slot_stamp.scalar_type() == at::kLong && kv.scalar_type() == at::kLong && pre.scalar_type() == at::kLong,
+                  slot_stamp.scalar_type() == at::kLong && kv.scalar_type() == at::kLong && pre.scalar_type() == at::kLong &&
+                  targets.scalar_type() == at::kLong,
               "mirror_steady_: int64 tensors only");
   TORCH_CHECK(ids.dim() == 2 && ids.is_contiguous() && stamps.sizes() == ids.sizes() && stamps.is_contiguous() &&
                   lens.is_contiguous() && slot_stamp.is_contiguous() && kv.dim() == 2 && kv.is_contiguous() &&
-                  pre.is_contiguous() && pre.numel() == kv.size(0) && kv.size(0) <= ids.size(0) &&
-                  lens.numel() >= kv.size(0) && kv.size(1) <= ids.size(1),
-              "mirror_steady_: ids/stamps [rows, cap], kv [n <= rows, L <= cap], pre [n]");
+                  pre.is_contiguous() && pre.numel() == kv.size(0) && targets.is_contiguous() &&
+                  targets.numel() == kv.size(0) && lens.numel() >= ids.size(0) && kv.size(1) <= ids.size(1),
+              "mirror_steady_: ids/stamps [rows, cap], lens [>= rows], kv [n, L <= cap], pre and targets [n]");
   const int64_t n = kv.size(0), L = kv.size(1), cap = ids.size(1), slots = slot_stamp.numel();
   int64_t* idp = ids.data_ptr<int64_t>();
   int64_t* stp = stamps.data_ptr<int64_t>();
   int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t *ssp = slot_stamp.data_ptr<int64_t>(), *kvp = kv.data_ptr<int64_t>(), *pp = pre.data_ptr<int64_t>();
+  const int64_t* tp = targets.data_ptr<int64_t>();
   for (int64_t b = 0; b < n; ++b) {
-    const int64_t p = pp[b];
-    if (p < 0 || p >= L || lp[b] < p) return at::empty({0}, kv.options());
-    const int64_t *ib = idp + b * cap, *sb = stp + b * cap, *kb = kvp + b * L;
+    const int64_t p = pp[b], t = tp[b];
+    if (t < 0 || t >= ids.size(0) || p < 0 || p >= L || lp[t] < p) return at::empty({0}, kv.options());
+    const int64_t *ib = idp + t * cap, *sb = stp + t * cap, *kb = kvp + b * L;
     for (int64_t j = 0; j < p; ++j) {
       const int64_t slot = kb[j];
       if (ib[j] != slot || slot < 0 || slot >= slots || sb[j] != ssp[slot]) return at::empty({0}, kv.options());
@@ -1012,11 +1105,11 @@ at::Tensor mirror_steady_(at::Tensor ids, at::Tensor stamps, at::Tensor lens, co
   at::Tensor at_ = at::empty({n * kv_heads}, kv.options());
   int64_t* ap = at_.data_ptr<int64_t>();
   for (int64_t b = 0; b < n; ++b) {
-    const int64_t p = pp[b];
-    idp[b * cap + p] = kvp[b * L + p];
-    stp[b * cap + p] = clock;
-    lp[b] = p + 1;
-    for (int64_t h = 0; h < kv_heads; ++h) ap[b * kv_heads + h] = (b * kv_heads + h) * cap + p;
+    const int64_t p = pp[b], t = tp[b];
+    idp[t * cap + p] = kvp[b * L + p];
+    stp[t * cap + p] = clock;
+    lp[t] = p + 1;
+    for (int64_t h = 0; h < kv_heads; ++h) ap[b * kv_heads + h] = (t * kv_heads + h) * cap + p;
   }
   return at_;
 }
@@ -1086,7 +1179,8 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 // projection's kind: 0 small_gemm (a = panels, b = float32 bias or empty), 1 int4_gemv (a = packed
 // codes, b = float32 bias or empty), 2 int8_gemv (a = int8 weight, b = float32 scales; float32 out,
 // cast to x's dtype). Attention: this step's K/V to pool slots `slots` and mirror rows `mirror_at`,
-// then decode attention over each layer's mirror with `lens` (see decode_mirror.py).
+// then decode attention over each layer's mirror with `lens`, batch row b at mirror row mirror_rows[b]
+// (default b; see decode_mirror.py).
 at::Tensor project(const at::Tensor& x, const int64_t* kind, const at::Tensor& a, const at::Tensor& b) {
   const c10::optional<at::Tensor> bias = b.numel() ? c10::optional<at::Tensor>(b) : c10::nullopt;
   switch (kind[0]) {
@@ -1130,7 +1224,8 @@ at::Tensor decode_layers_(at::Tensor x, at::TensorList weights,
                           at::IntArrayRef kinds, const at::Tensor& cos, const at::Tensor& sin, at::TensorList pool_k,
                           at::TensorList pool_v, const at::Tensor& slots, at::TensorList mirror_k,
                           at::TensorList mirror_v, const at::Tensor& mirror_at, const at::Tensor& lens,
-                          int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale) {
+                          const c10::optional<at::Tensor>& mirror_rows, int64_t heads, int64_t kv_heads,
+                          int64_t head_dim, double eps, double scale) {
   const int64_t layers = pool_k.size();
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 10 * layers && static_cast<int64_t>(kinds.size()) == 8 * layers &&
                   static_cast<int64_t>(pool_v.size()) == layers && static_cast<int64_t>(mirror_k.size()) == layers &&
@@ -1152,7 +1247,7 @@ at::Tensor decode_layers_(at::Tensor x, at::TensorList weights,
     const at::Tensor v = qkv.narrow(1, q_width + kv_width, kv_width).view({rows, kv_heads, head_dim});
     kv_write_(pool_k[l], pool_v[l], slots, k, v, mirror_k[l], mirror_v[l], mirror_at);
     const at::Tensor q = qkv.narrow(1, 0, q_width).view({rows, heads, head_dim});
-    const at::Tensor attn = decode_attention(q, mirror_k[l], mirror_v[l], lens, scale).view({rows, q_width});
+    const at::Tensor attn = decode_attention(q, mirror_k[l], mirror_v[l], lens, scale, mirror_rows).view({rows, q_width});
     h = rms_norm_impl(x, project(attn, kind + 2, w[3], w[4]), w[5], eps);
     d = project(silu_mul(project(h, kind + 4, w[6], w[7])), kind + 6, w[8], w[9]);
   }
@@ -1166,19 +1261,20 @@ TORCH_LIBRARY(plait_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor w, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lens, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lens, float scale, Tensor? rows=None) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("small_gemm(Tensor x, Tensor w, Tensor? bias, int n, bool widen=False) -> Tensor");
   m.def("int4_gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("mirror_steady_(Tensor(a!) ids, Tensor(b!) stamps, Tensor(c!) lens, Tensor slot_stamp, Tensor kv, Tensor pre, "
-        "int clock, int kv_heads) -> Tensor");
+        "Tensor targets, int clock, int kv_heads) -> Tensor");
   m.def("has_vnni() -> bool");
   m.def("has_small_gemm(bool bf16) -> bool");
   m.def("decode_layers_(Tensor(a!) x, Tensor[] weights, int[] kinds, Tensor cos, Tensor sin, "
         "Tensor(b!)[] pool_k, Tensor(c!)[] pool_v, Tensor slots, Tensor(d!)[] mirror_k, Tensor(e!)[] mirror_v, "
-        "Tensor mirror_at, Tensor lens, int heads, int kv_heads, int head_dim, float eps, float scale) -> Tensor");
+        "Tensor mirror_at, Tensor lens, Tensor? mirror_rows, int heads, int kv_heads, int head_dim, float eps, "
+        "float scale) -> Tensor");
   m.def("kv_write_(Tensor(a!) pool_k, Tensor(b!) pool_v, Tensor slots, Tensor k, Tensor v, Tensor(c!)? mirror_k, "
         "Tensor(d!)? mirror_v, Tensor? mirror_at) -> ()");
 }
