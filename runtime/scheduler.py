@@ -192,7 +192,7 @@ class Scheduler:
     def _prepare_decode(self, outputs: list[TokenOutput]) -> list[Req]:
         """Give every running request slots for its uncomputed tokens — one, or more after a
         jump-forward — retracting requests if memory is short. Multi-token ones come first."""
-        while self.running and not self._make_room(sum(len(r.fill_ids) - r.kv_len for r in self.running)):
+        while self.running and not self._make_room(sum(r.fill_len - r.kv_len for r in self.running)):
             drafted = [r for r in self.running if r.num_draft]
             if drafted:             # drafts are optional: drop them before retracting anyone
                 for r in drafted:
@@ -206,25 +206,25 @@ class Scheduler:
             self._retract(max(self.running, key=lambda r: r.arrival))
         if not self.running:
             return []
-        need = [len(r.fill_ids) - r.kv_len for r in self.running]
+        need = [r.fill_len - r.kv_len for r in self.running]
         slots = self.allocator.alloc(sum(need))
         start = 0
         for req, n in zip(self.running, need):
             self.table.table[req.row, req.kv_len:req.kv_len + n] = slots[start:start + n]
             start += n
-        return sorted(self.running, key=lambda r: len(r.fill_ids) - r.kv_len == 1)
+        return sorted(self.running, key=lambda r: r.fill_len - r.kv_len == 1)
 
     def _schedule_prefill(self, outputs: list[TokenOutput]) -> list[tuple[Req, int]]:
         budget = self.args.chunked_prefill_size
         selected: list[tuple[Req, int]] = []
         if self.chunked is not None:
             req = self.chunked
-            take = min(len(req.fill_ids) - req.kv_len, budget)
+            take = min(req.fill_len - req.kv_len, budget)
             if not self._make_room(take):
                 return []            # memory frees up as decodes finish
             self._place(req, req.kv_len, self.allocator.alloc(take))
             selected.append((req, take))
-            if req.kv_len + take < len(req.fill_ids):
+            if req.kv_len + take < req.fill_len:
                 return selected      # still chunking: it takes the whole budget
             self.chunked = None
             budget -= take
@@ -235,7 +235,7 @@ class Scheduler:
             if budget <= 0 or self.table.available() == 0 or \
                     len(self.running) + len(selected) >= self.args.max_running_requests:
                 break
-            if len(req.fill_ids) + 1 > self.num_slots:
+            if req.fill_len + 1 > self.num_slots:
                 self.waiting.remove(req)
                 outputs.append(self._finish_output(req, {"type": "abort", "message": "out of KV cache memory"}, []))
                 continue
@@ -305,13 +305,13 @@ class Scheduler:
             if req.wants_input_logprobs:
                 rows_of[id(req)] = (len(logits_index), take)
                 logits_index += range(pos, pos + take)
-            elif start + take == len(req.fill_ids):
+            elif start + take == req.fill_len:
                 rows_of[id(req)] = (len(logits_index), 1)
                 logits_index.append(pos + take - 1)
             pos += take
         for req in decode:
-            take = len(req.fill_ids) - req.kv_len
-            input_ids += req.fill_ids[req.kv_len:]
+            take = req.fill_len - req.kv_len
+            input_ids += req.fill_from(req.kv_len)
             rows.append(req.row)
             prefix_lens.append(req.kv_len)
             extend_lens.append(take)
@@ -338,7 +338,7 @@ class Scheduler:
             if req.wants_input_logprobs:
                 first, count = rows_of[id(req)]
                 self._collect_input_logprobs(req, start, logits[first:first + count])
-            if req.kv_len < len(req.fill_ids):
+            if req.kv_len < req.fill_len:
                 continue                                   # chunk done, prompt not yet
             first_time = not req.prefilled
             req.prefilled = True
@@ -359,7 +359,7 @@ class Scheduler:
         drafted = [r for r in decode if r.num_draft]
         for req in decode:
             if not req.num_draft:
-                req.kv_len = len(req.fill_ids)
+                req.kv_len = req.fill_len
                 to_sample.append(req)
                 sample_rows.append(rows_of[id(req)][0])
         self._active = len(to_sample) + len(drafted)
@@ -583,11 +583,11 @@ class Scheduler:
         """Commit the kept drafts and the model's own token, checking finish after each exactly
         as single-token decoding does; free the KV slots of rejected drafts."""
         k = len(drafts)
-        end = len(req.fill_ids)                 # positions that got KV this step
+        end = req.fill_len                      # positions that got KV this step
         del req.output_ids[-k:]                 # (the matcher is already back before the drafts)
         req.num_draft = 0
         start = len(req.output_ids)
-        valid_kv = len(req.fill_ids)            # the last committed token's KV was computed this step
+        valid_kv = req.fill_len                 # the last committed token's KV was computed this step
         reason = None
         kept = 0
         for i, tok in enumerate(targets):
@@ -787,7 +787,7 @@ class Scheduler:
         self._release(req)
         self.waiting.appendleft(req)
         self.num_retractions += 1
-        logger.info("retracted request %s (%d tokens) to free KV memory", req.rid, len(req.fill_ids))
+        logger.info("retracted request %s (%d tokens) to free KV memory", req.rid, req.fill_len)
 
     def _finish_output(self, req: Req, reason: dict, new_ids: list[int]) -> TokenOutput:
         req.finish_reason = reason

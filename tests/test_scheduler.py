@@ -126,3 +126,12 @@ def test_oversized_requests_rejected(path):
         s.add_request(req("big", list(range(10, 100))))
     with pytest.raises(ValueError, match="context length"):
         s.add_request(req("long", list(range(10, 600))))
+
+
+def test_request_fill_len_and_tail_without_the_whole_list():
+    from plait.runtime.request import Req
+    req = Req(GenerateInput(rid="r", input_ids=[1, 2, 3], params=SamplingParams(), seed=0), arrival=0)
+    assert req.fill_len == 3 and [req.fill_from(i) for i in range(4)] == [[1, 2, 3], [2, 3], [3], []]
+    req.output_ids += [4, 5]
+    assert req.fill_len == len(req.fill_ids) == 5
+    assert all(req.fill_from(i) == req.fill_ids[i:] for i in range(6))
