@@ -122,9 +122,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: to
     """One query token per row: q `[n, H, D]` (float32 or bfloat16, any strides), k/v
     `[>=n, KVH, >=L, D]` (views allowed; rows past n are ignored), row b attending to its first
     `lens[b]` keys (`lens` may be longer than n); with `rows` (int64 `[n]`), row b attends K/V row
-    `rows[b]` and its first `lens[rows[b]]` keys. Sums in float32 (bfloat16 q and K/V: by bfloat16
-    dot products, the probabilities rounded to bfloat16 as SDPA does); returns `[n, H, D]` in q's
-    dtype."""
+    `rows[b]` and its first `lens[rows[b]]` keys. Sums in float32 (bfloat16 q and keys: the scores
+    by bfloat16 dot products, exact products); returns `[n, H, D]` in q's dtype."""
     if enabled(k) and enabled(q):
         return torch.ops.plait_cpu.decode_attention(q, k, v, lens, scale, rows)
     n, heads, dim = q.shape

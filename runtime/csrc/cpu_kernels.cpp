@@ -231,6 +231,19 @@ inline int64_t prefetch_rows(int64_t D) {
   return std::max<int64_t>(8, 2048 / (D * static_cast<int64_t>(sizeof(KV))));
 }
 
+// bfloat16 q and keys (a bfloat16 model's): q . k by VDPBF16PS, 32 dims an instruction, instead of
+// widening each key to float32 first; the products are exact either way, only the order of the
+// float32 sums differs. (The same for p . v would need the probabilities rounded to bfloat16; that
+// gained ~3% at 32 rows x 160 keys, not worth the precision.)
+#if defined(__AVX512BF16__)
+constexpr bool kDotScores = true;
+#else
+constexpr bool kDotScores = false;
+#endif
+// Whether the scores take q as bfloat16 dot products (QT = c10::BFloat16) or as float32 (QT = float).
+template <typename QT, typename KV>
+constexpr bool dot_scores() { return kDotScores && std::is_same_v<QT, c10::BFloat16> && std::is_same_v<KV, c10::BFloat16>; }
+
 #if defined(__AVX512F__)
 template <typename KV>
 inline void prefetch_row(const KV* p, int64_t D) {
@@ -255,29 +268,63 @@ inline __m256 hsum8(const __m512* a) {
   return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, w));
 }
 
+#if defined(__AVX512BF16__)
+inline __m512bh load_bh(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+#endif
+
 // scores of 8 keys for GN queries (rows of `scores`, stride len): each key chunk is loaded (and
 // widened) once for all of them; GN * 8 independent accumulators keep the FMA units busy.
-template <int GN, typename KV>
-inline void scores_block8(const float* q, const KV* k0, int64_t k_stride, int64_t D, __m512 vscale, float* scores,
+template <int GN, typename QT, typename KV>
+inline void scores_block8(const QT* q, const KV* k0, int64_t k_stride, int64_t D, __m512 vscale, float* scores,
                           int64_t len) {
   __m512 acc[GN][8];
   for (int g = 0; g < GN; ++g)
     for (int i = 0; i < 8; ++i) acc[g][i] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16) {
-    for (int i = 0; i < 8; ++i) {
-      const __m512 kd = load16(k0 + i * k_stride + d);
-      for (int g = 0; g < GN; ++g) acc[g][i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), kd, acc[g][i]);
+  if constexpr (dot_scores<QT, KV>()) {
+#if defined(__AVX512BF16__)
+    for (int64_t d = 0; d < D; d += 32) {
+      __m512bh qd[GN];
+      for (int g = 0; g < GN; ++g) qd[g] = load_bh(q + g * D + d);
+      for (int i = 0; i < 8; ++i) {
+        const __m512bh kd = load_bh(k0 + i * k_stride + d);
+        for (int g = 0; g < GN; ++g) acc[g][i] = _mm512_dpbf16_ps(acc[g][i], qd[g], kd);
+      }
+    }
+#endif
+  } else {
+    for (int64_t d = 0; d < D; d += 16) {
+      for (int i = 0; i < 8; ++i) {
+        const __m512 kd = load16(k0 + i * k_stride + d);
+        for (int g = 0; g < GN; ++g) acc[g][i] = _mm512_fmadd_ps(load16(q + g * D + d), kd, acc[g][i]);
+      }
     }
   }
   for (int g = 0; g < GN; ++g)
     _mm256_storeu_ps(scores + g * len, _mm256_mul_ps(hsum8(acc[g]), _mm512_castps512_ps256(vscale)));
 }
+
+// One key's scores for G queries (the keys past the last block of 8).
+template <typename QT, typename KV>
+inline void scores_one(const QT* q, const KV* kj, int64_t G, int64_t D, float scale, float* scores, int64_t len) {
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 acc = _mm512_setzero_ps();
+    if constexpr (dot_scores<QT, KV>()) {
+#if defined(__AVX512BF16__)
+      for (int64_t d = 0; d < D; d += 32) acc = _mm512_dpbf16_ps(acc, load_bh(q + g * D + d), load_bh(kj + d));
+#endif
+    } else {
+      for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(load16(q + g * D + d), load16(kj + d), acc);
+    }
+    scores[g * len] = _mm512_reduce_add_ps(acc) * scale;
+  }
+}
 #endif
 
-// scores[j] = scale * q . k_j for the G queries of one KV head (G rows of `scores`, stride len);
+// scores[j] = scale * q . k_j for the G queries of one KV head (G rows of `scores`, stride len; q
+// contiguous, float32, or bfloat16 with bfloat16 keys and D % 32 == 0: see dot_scores);
 // `v` (may be null): the values that come next, whose first rows are prefetched at the end.
-template <typename KV>
-void attention_scores(const float* q, const KV* k, int64_t k_stride, int64_t len, int64_t G, int64_t D,
+template <typename QT, typename KV>
+void attention_scores(const QT* q, const KV* k, int64_t k_stride, int64_t len, int64_t G, int64_t D,
                       float scale, float* scores, const KV* v = nullptr, int64_t v_stride = 0) {
 #if defined(__AVX512F__)
   if (D % 16 == 0) {
@@ -293,7 +340,7 @@ void attention_scores(const float* q, const KV* k, int64_t k_stride, int64_t len
         else if (v != nullptr && r - len < len) prefetch_row(v + (r - len) * v_stride, D);
       }
       for (int64_t g0 = 0; g0 < G; g0 += 3) {
-        const float* qg = q + g0 * D;
+        const QT* qg = q + g0 * D;
         float* sg = scores + g0 * len + j;
         switch (std::min<int64_t>(3, G - g0)) {
           case 3: scores_block8<3>(qg, k0, k_stride, D, vscale, sg, len); break;
@@ -302,24 +349,16 @@ void attention_scores(const float* q, const KV* k, int64_t k_stride, int64_t len
         }
       }
     }
-    for (; j < len; ++j) {
-      const KV* kj = k + j * k_stride;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = q + g * D;
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), load16(kj + d), acc);
-        scores[g * len + j] = _mm512_reduce_add_ps(acc) * scale;
-      }
-    }
+    for (; j < len; ++j) scores_one(q, k + j * k_stride, G, D, scale, scores + j, len);
     return;
   }
 #endif
   for (int64_t j = 0; j < len; ++j) {
     const KV* kj = k + j * k_stride;
     for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q + g * D;
+      const QT* qg = q + g * D;
       float dot = 0.f;
-      for (int64_t d = 0; d < D; ++d) dot += qg[d] * f32(kj[d]);
+      for (int64_t d = 0; d < D; ++d) dot += f32(qg[d]) * f32(kj[d]);
       scores[g * len + j] = dot * scale;
     }
   }
@@ -397,66 +436,6 @@ void attention_values(const float* p, const KV* v, int64_t v_stride, int64_t len
   }
 }
 
-#if defined(__AVX512BF16__)
-// ---- bfloat16 queries and keys: the scores by AVX512-BF16 dot products -----------------------------
-// A bfloat16 model's q and k are bfloat16, so q . k takes VDPBF16PS, 32 dims an instruction, instead
-// of widening each key to float32 first: the products are exact either way, only the order of the
-// float32 sums differs. (The same for p . v would need the probabilities rounded to bfloat16; that
-// gained ~3% at 32 rows x 160 keys, not worth the precision.)
-inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
-
-template <int GN>
-inline void scores_block8_dot(const c10::BFloat16* q, const c10::BFloat16* k0, int64_t k_stride, int64_t D,
-                              __m512 vscale, float* scores, int64_t len) {
-  __m512 acc[GN][8];
-  for (int g = 0; g < GN; ++g)
-    for (int i = 0; i < 8; ++i) acc[g][i] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 32) {
-    __m512bh qd[GN];
-    for (int g = 0; g < GN; ++g) qd[g] = as_bh(_mm512_loadu_si512(q + g * D + d));
-    for (int i = 0; i < 8; ++i) {
-      const __m512bh kd = as_bh(_mm512_loadu_si512(k0 + i * k_stride + d));
-      for (int g = 0; g < GN; ++g) acc[g][i] = _mm512_dpbf16_ps(acc[g][i], qd[g], kd);
-    }
-  }
-  for (int g = 0; g < GN; ++g)
-    _mm256_storeu_ps(scores + g * len, _mm256_mul_ps(hsum8(acc[g]), _mm512_castps512_ps256(vscale)));
-}
-
-// attention_scores for bfloat16 q (G rows of D, contiguous) and keys; D a multiple of 32.
-void attention_scores_dot(const c10::BFloat16* q, const c10::BFloat16* k, int64_t k_stride, int64_t len, int64_t G,
-                          int64_t D, float scale, float* scores, const c10::BFloat16* v, int64_t v_stride) {
-  const __m512 vscale = _mm512_set1_ps(scale);
-  const int64_t ahead = prefetch_rows<c10::BFloat16>(D);
-  int64_t j = 0;
-  for (; j + 8 <= len; j += 8) {
-    for (int64_t r = j + ahead; r < j + ahead + 8; ++r) {
-      if (r < len) prefetch_row(k + r * k_stride, D);
-      else if (r - len < len) prefetch_row(v + (r - len) * v_stride, D);
-    }
-    for (int64_t g0 = 0; g0 < G; g0 += 3) {
-      const c10::BFloat16* qg = q + g0 * D;
-      float* sg = scores + g0 * len + j;
-      switch (std::min<int64_t>(3, G - g0)) {
-        case 3: scores_block8_dot<3>(qg, k + j * k_stride, k_stride, D, vscale, sg, len); break;
-        case 2: scores_block8_dot<2>(qg, k + j * k_stride, k_stride, D, vscale, sg, len); break;
-        default: scores_block8_dot<1>(qg, k + j * k_stride, k_stride, D, vscale, sg, len); break;
-      }
-    }
-  }
-  for (; j < len; ++j) {
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; d += 32)
-        acc = _mm512_dpbf16_ps(acc, as_bh(_mm512_loadu_si512(q + g * D + d)),
-                               as_bh(_mm512_loadu_si512(k + j * k_stride + d)));
-      scores[g * len + j] = _mm512_reduce_add_ps(acc) * scale;
-    }
-  }
-}
-
-#endif
-
 // q [n, H, D] in its own dtype Q and strides (unit stride in D): each task widens its G queries to
 // float32 (bfloat16 q and K/V: the scores take them as they are) and writes its output rows in Q, so a
 // bfloat16 model's step pays no copies around the op.
@@ -480,11 +459,7 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at:
   while (n * KVH * parts < 2 * threads && max_len >= 128 * 2 * parts && parts < 8) parts *= 2;
   const int64_t per_task = std::max<int64_t>(1, 2 * G * max_len * D / parts);
   std::vector<float> partial(parts > 1 ? n * KVH * parts * G * (D + 2) : 0);   // [task][g]: max, sum, o[D]
-#if defined(__AVX512BF16__)
-  const bool dot = std::is_same_v<KV, c10::BFloat16> && std::is_same_v<Q, c10::BFloat16> && D % 32 == 0;
-#else
-  const bool dot = false;
-#endif
+  const bool dot = dot_scores<Q, KV>() && D % 32 == 0;   // the scores take bfloat16 q as it is
   at::parallel_for(0, n * KVH * parts, grain(per_task, 1 << 17), [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * std::max<int64_t>((max_len + parts - 1) / parts, 1)), qf(G * D), of(G * D);
     std::vector<c10::BFloat16> qb(dot ? G * D : 0);   // the dot path's queries
@@ -510,12 +485,8 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at:
       }
       const KV* kb = kp + m * k.stride(0) + kvh * k.stride(1) + j0 * k.stride(2);
       const KV* vb = vp + m * v.stride(0) + kvh * v.stride(1) + j0 * v.stride(2);
-#if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<KV, c10::BFloat16>) {
-        if (dot) attention_scores_dot(qb.data(), kb, k.stride(2), len, G, D, scale, scores.data(), vb, v.stride(2));
-      }
-#endif
-      if (!dot) attention_scores(qf.data(), kb, k.stride(2), len, G, D, scale, scores.data(), vb, v.stride(2));
+      if (dot) attention_scores(qb.data(), kb, k.stride(2), len, G, D, scale, scores.data(), vb, v.stride(2));
+      else attention_scores(qf.data(), kb, k.stride(2), len, G, D, scale, scores.data(), vb, v.stride(2));
 #if defined(__AVX512F__)
       if (task + 1 < end) {   // the next task's first keys, while this one's values are read
         const int64_t nb = (task + 1) / (KVH * parts), nkvh = (task + 1) / parts % KVH, npart = (task + 1) % parts;
