@@ -5,7 +5,7 @@ small-M shapes of decoding (measured for M=8..256, K=576, float32 and bfloat16),
 torch.compile's freezing pass uses. Decode's batch sizes (up to `SMALL_GEMM_MAX_ROWS` rows) go
 through `cpu_kernels.small_gemm` on a second copy of the weight in 32-column panels instead: it
 streams the weight at the machine's bandwidth at one row (oneDNN runs that on one core) and runs
-14-30% faster than oneDNN's GEMM at 8-32 rows. Only the CPU path; GPUs keep `nn.Linear`.
+faster than oneDNN's GEMM up to 64 float32 / 128 bfloat16 rows (14-30% at 8-32). Only the CPU path; GPUs keep `nn.Linear`.
 """
 from __future__ import annotations
 
@@ -36,7 +36,13 @@ def prepack_available() -> bool:
 # 9.2 (6.8), 16 8.5 vs 11.3, 32 12.4 vs 16.2, 64 23.2 vs 26.0. Whole SmolLM2 decode steps, arms
 # alternating in one process (load ~1.8), ms min small_gemm vs oneDNN: float32 batch 8 18.9 vs 25.3,
 # 32 45.1 vs 50.0, 64 82.4 vs 78.8; bfloat16 batch 8 12.6 vs 15.0, 32 27.9 vs 30.4, 64 50.9 vs 52.9.
-SMALL_GEMM_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 64}
+# Since small_gemm's panel loop lost two divisions per k step (all 120 matrices + LM head, alternating,
+# load ~1.6, ms min small_gemm vs oneDNN): bfloat16 64 rows 28.1 vs 33.4, 96 41.9 vs 46.2, 128 44.9
+# vs 48.6, 256 89.7 vs 90.8; float32 32 25.4 vs 33.6, 48 35.0 vs 43.3, 64 46.3 vs 55.2, 128 93.0 vs
+# 95.3. Whole steps, the limits below vs the old 64 / 32 (two schedulers taking turns, load 1.7-2.0):
+# bfloat16 batch 96 66.0 / 66.2 / 64.4 vs 76.7 / 71.2 / 75.0 ms; float32 batch 64 74.9 / 73.3 / 83.6
+# vs 98.0 / 108.3 / 95.9 (those batches now also take the fused decode step).
+SMALL_GEMM_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 128}
 
 
 class PackedLinear(nn.Module):

@@ -168,9 +168,9 @@ def test_smollm2_bfloat16_close_to_float32(smollm2_path, prompts):
     assert torch.nn.functional.cosine_similarity(got, ref, dim=-1).min() > 0.99
 
 
-@pytest.mark.parametrize("rows", [1, 8, 64, 65])
+@pytest.mark.parametrize("rows", [1, 8, 128, 129])
 def test_packed_linear_bfloat16_rows(rows):
-    """bfloat16: up to 64 rows through small_gemm's dot products, more through oneDNN; both
+    """bfloat16: up to 128 rows through small_gemm's dot products, more through oneDNN; both
     F.linear's product up to one bfloat16 rounding of the output."""
     from plait.runtime.prepack import PackedLinear, prepack_available
     if not prepack_available():
@@ -179,17 +179,17 @@ def test_packed_linear_bfloat16_rows(rows):
     torch.manual_seed(1)
     w, x, b = torch.randn(96, 192).bfloat16(), torch.randn(rows, 192).bfloat16(), torch.randn(96).bfloat16()
     lin = PackedLinear(w, b)
-    assert lin.small_rows == (64 if cpu_kernels.small_gemm_available(torch.bfloat16) else 0)
+    assert lin.small_rows == (128 if cpu_kernels.small_gemm_available(torch.bfloat16) else 0)
     got, ref = lin(x), torch.nn.functional.linear(x.float(), w.float(), b.float())
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), ref, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("rows", [1, 3, 32, 33])
+@pytest.mark.parametrize("rows", [1, 3, 64, 65])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("small_gemm", [True, False])
 def test_packed_linear_float32_rows(rows, bias, small_gemm, monkeypatch):
-    """Up to 32 float32 rows go through small_gemm where it runs, else (one row, two threads) the
+    """Up to 64 float32 rows go through small_gemm where it runs, else (one row, two threads) the
     two-core batched GEMV (both halves of the output, in order); more rows through oneDNN's GEMM:
     all equal F.linear."""
     from plait.runtime.prepack import PackedLinear, prepack_available
@@ -207,7 +207,7 @@ def test_packed_linear_float32_rows(rows, bias, small_gemm, monkeypatch):
         b = torch.randn(96) if bias else None
         lin = PackedLinear(w, b)
         if small_gemm:
-            assert lin.small_rows == 32 and lin.halves is None and lin.panels is not None
+            assert lin.small_rows == 64 and lin.halves is None and lin.panels is not None
         else:
             assert lin.panels is None and lin.halves is not None and lin.halves.shape == (2, 48, 64)
         torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5)
