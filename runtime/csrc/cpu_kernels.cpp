@@ -697,7 +697,8 @@ void kv_write_(at::Tensor pool_k, at::Tensor pool_v, const at::Tensor& slots, co
 // a ~440-490 GFLOP/s peak; oneDNN also runs a single row on one core. Each thread streams its own run of panels; a panel's second and
 // third row blocks read it from L2, so while it computes, each block prefetches its share of the
 // next panel (without that the first pass waited on memory: ~30% slower at 32 rows). Any number of
-// rows works (at 128 rows on par with oneDNN, at 512 ~8% slower).
+// rows works (SmolLM2's matrices: faster than oneDNN up to 64 float32 / 128 bfloat16 rows, on par at
+// 128 / 256; prepack.py's SMALL_GEMM_MAX_ROWS).
 #if defined(PLAIT_AVX512BW_VL)
 #define PLAIT_SMALL_GEMM 1
 constexpr int64_t kPanel = 32;          // output columns per panel
