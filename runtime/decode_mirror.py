@@ -140,9 +140,12 @@ class DecodeMirror:
         each. None where that does not hold (nothing changed then) or the kernels are not built."""
         n = g.bsz
         targets = [self.mirror_row.get(r, -1) for r in g.rows]
-        if not cpu_kernels.enabled(self.pool.k[0]) or not all(0 <= t < n for t in targets):
+        # distinct by construction (one full plan's mapping, unchanged since); checked all the same:
+        # two rows appending to one mirror row would corrupt it
+        if (not cpu_kernels.enabled(self.pool.k[0]) or not all(0 <= t < n for t in targets)
+                or len(set(targets)) != n):
             return None
-        target = torch.tensor(targets)   # distinct: one plan's mapping, left unchanged since
+        target = torch.tensor(targets)
         keep_at = torch.ops.plait_cpu.mirror_steady_(self.ids, self.stamps, self.lens, self.slot_stamp, kv,
                                                      g.prefix_lens, target, self.clock, self.kv_heads)
         if keep_at.numel() == 0:
