@@ -124,7 +124,6 @@ class MirroredAttention(TorchNativeAttention):
         self._plan: MirrorPlan | None = None
         self._kernel = False   # this step's one-token decode rows go through cpu_kernels.decode_attention
         self._fused = False
-        self._rows: torch.Tensor | None = None   # batch row b's mirror row when not b
 
     def _begin(self, batch: ForwardBatch) -> None:
         super()._begin(batch)
@@ -137,8 +136,12 @@ class MirroredAttention(TorchNativeAttention):
         # holds): K/V writes and attention in two fused ops per layer.
         self._fused = (plan is not None and len(batch.groups) == 1 and plan.max_q == 1
                        and plan.keep_tok is None and plan.fill_idx is None and kernel)
-        # batch row b's mirror row, for the attention kernel (None: row b)
-        self._rows = None if plan is None or plan.order is None else plan.target
+
+    @property
+    def _rows(self) -> torch.Tensor | None:
+        """Batch row b's mirror row, for the attention kernel (None: row b)."""
+        plan = self._plan
+        return None if plan is None or plan.order is None else plan.target
 
     def begin_fused_decode(self, batch: ForwardBatch) -> tuple | None:
         """Begin `batch`'s step ahead of its layers. On a steady decode step (see `_begin`), what

@@ -459,23 +459,16 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at:
   while (n * KVH * parts < 2 * threads && max_len >= 128 * 2 * parts && parts < 8) parts *= 2;
   const int64_t per_task = std::max<int64_t>(1, 2 * G * max_len * D / parts);
   std::vector<float> partial(parts > 1 ? n * KVH * parts * G * (D + 2) : 0);   // [task][g]: max, sum, o[D]
-  const bool dot = dot_scores<Q, KV>() && D % 32 == 0;   // the scores take bfloat16 q as it is
+  // the scores take bfloat16 q as it lies (a KV head's G query rows contiguous, as the qkv view has them)
+  const bool dot = dot_scores<Q, KV>() && D % 32 == 0 && q.stride(1) == D;
   at::parallel_for(0, n * KVH * parts, grain(per_task, 1 << 17), [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * std::max<int64_t>((max_len + parts - 1) / parts, 1)), qf(G * D), of(G * D);
-    std::vector<c10::BFloat16> qb(dot ? G * D : 0);   // the dot path's queries
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (KVH * parts), kvh = task / parts % KVH, part = task % parts;
       const int64_t m = row(b), j0 = lens[m] * part / parts, len = lens[m] * (part + 1) / parts - j0;
-      for (int64_t g = 0; g < G; ++g) {   // the G queries of this KV head: float32 rows (the dot path: as they are)
-        const Q* qg = qp + b * q.stride(0) + (kvh * G + g) * q.stride(1);
-        if constexpr (std::is_same_v<Q, c10::BFloat16>) {
-          if (dot) {
-            std::copy(qg, qg + D, qb.data() + g * D);
-            continue;
-          }
-        }
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = f32(qg[d]);
-      }
+      const Q* q0 = qp + b * q.stride(0) + kvh * G * q.stride(1);   // the G queries of this KV head
+      for (int64_t g = 0; g < G && !dot; ++g)                           // as float32 rows
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = f32(q0[g * q.stride(1) + d]);
       Q* ob = op + (b * H + kvh * G) * D;
       float* pt = partial.data() + task * G * (D + 2);
       if (len <= 0) {
@@ -485,7 +478,7 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at:
       }
       const KV* kb = kp + m * k.stride(0) + kvh * k.stride(1) + j0 * k.stride(2);
       const KV* vb = vp + m * v.stride(0) + kvh * v.stride(1) + j0 * v.stride(2);
-      if (dot) attention_scores(qb.data(), kb, k.stride(2), len, G, D, scale, scores.data(), vb, v.stride(2));
+      if (dot) attention_scores(q0, kb, k.stride(2), len, G, D, scale, scores.data(), vb, v.stride(2));
       else attention_scores(qf.data(), kb, k.stride(2), len, G, D, scale, scores.data(), vb, v.stride(2));
 #if defined(__AVX512F__)
       if (task + 1 < end) {   // the next task's first keys, while this one's values are read
@@ -715,8 +708,8 @@ inline void store_cols(WidenedBF16* p, __m512 v, __mmask16 m) {
 }
 
 // `lines` cache lines from `next` on, spread evenly over a loop of `steps` iterations (`step()` once
-// each): a running sum instead of two 64-bit divisions an iteration, which had cost 9-16% at 32 rows
-// (SmolLM2's layer matrices, bfloat16 and float32; the LM head 15%) and 5-8% at 1-4.
+// each): a running sum instead of two 64-bit divisions an iteration, which had cost 9-14% at 32 rows
+// on SmolLM2's layer matrices (bfloat16 and float32), 15-19% on the LM head, and 5-8% at 1-4 rows.
 struct SpreadPrefetch {
   const char* next;
   int64_t lines, steps, acc = 0;
