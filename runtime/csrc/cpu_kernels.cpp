@@ -224,8 +224,8 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t h
 
 // A row's K (then V) is a short stream (len x D, a few KB to ~100 KB) that the hardware prefetcher
 // barely ramps up on before it ends: keys and values are fetched ~2 KB ahead (8 float32 rows of 64,
-// 16 bfloat16 ones), the scores' last rows fetch the first values, and the values' the next task's
-// first keys (bfloat16, 32 rows x 160 keys x 30 layers: 11-18% faster than 8 rows ahead without it).
+// 16 bfloat16 ones), the scores' last rows fetch the first values, and the next task's keys and
+// values come in while this one runs (AheadRows).
 template <typename KV>
 inline int64_t prefetch_rows(int64_t D) {
   return std::max<int64_t>(8, 2048 / (D * static_cast<int64_t>(sizeof(KV))));
@@ -320,12 +320,29 @@ inline void scores_one(const QT* q, const KV* kj, int64_t G, int64_t D, float sc
 }
 #endif
 
+// The next task's K or V rows [0, len), fetched a share at a time while this task's scores or values
+// run: by the time this loop has done `done` of its `total` steps, rows up to len * done / total.
+// (The hardware prefetcher barely ramps up on a task's few-KB streams: bfloat16, 30 layers x 150
+// keys, 32 / 64 / 128 rows 14-16 / 11-13 / 18-20% faster than fetching only the first rows ahead.)
+template <typename KV>
+struct AheadRows {
+  const KV* p = nullptr;
+  int64_t stride = 0, len = 0, D = 0, sent = 0;
+  inline void upto(int64_t done, int64_t total) {
+#if defined(__AVX512F__)
+    const int64_t r1 = p == nullptr ? 0 : len * done / total;
+    for (; sent < r1; ++sent) prefetch_row(p + sent * stride, D);
+#endif
+  }
+};
+
 // scores[j] = scale * q . k_j for the G queries of one KV head (G rows of `scores`, stride len; q
 // contiguous, float32, or bfloat16 with bfloat16 keys and D % 32 == 0: see dot_scores);
 // `v` (may be null): the values that come next, whose first rows are prefetched at the end.
 template <typename QT, typename KV>
 void attention_scores(const QT* q, const KV* k, int64_t k_stride, int64_t len, int64_t G, int64_t D,
-                      float scale, float* scores, const KV* v = nullptr, int64_t v_stride = 0) {
+                      float scale, float* scores, const KV* v = nullptr, int64_t v_stride = 0,
+                      AheadRows<KV>* next = nullptr) {
 #if defined(__AVX512F__)
   if (D % 16 == 0) {
     // Blocks of 8 keys for up to 3 queries at once: each key chunk is loaded (and widened) once
@@ -339,6 +356,7 @@ void attention_scores(const QT* q, const KV* k, int64_t k_stride, int64_t len, i
         if (r < len) prefetch_row(k + r * k_stride, D);
         else if (v != nullptr && r - len < len) prefetch_row(v + (r - len) * v_stride, D);
       }
+      if (next != nullptr) next->upto(j + 8, len);
       for (int64_t g0 = 0; g0 < G; g0 += 3) {
         const QT* qg = q + g0 * D;
         float* sg = scores + g0 * len + j;
@@ -395,7 +413,8 @@ inline void softmax_inplace(float* s, int64_t len) {
 // acc[g] = sum_j p[g][j] * v_j with all G queries' accumulators in registers (G and the D / 16
 // chunks known at compile time: indexed at run time, the array lived on the stack); v_j read once.
 template <int G, int CH, typename KV>
-void values_in_registers(const float* p, const KV* v, int64_t v_stride, int64_t len, float* acc) {
+void values_in_registers(const float* p, const KV* v, int64_t v_stride, int64_t len, float* acc,
+                         AheadRows<KV>* next) {
   __m512 a[G][CH];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < CH; ++c) a[g][c] = _mm512_setzero_ps();
@@ -403,6 +422,7 @@ void values_in_registers(const float* p, const KV* v, int64_t v_stride, int64_t 
   for (int64_t j = 0; j < len; ++j) {
     const KV* vj = v + j * v_stride;
     if (j + ahead < len) prefetch_row(vj + ahead * v_stride, 16 * CH);
+    if (next != nullptr && (j & 7) == 7) next->upto(j + 1, len);
     __m512 pg[G];
     for (int g = 0; g < G; ++g) pg[g] = _mm512_set1_ps(p[g * len + j]);
     for (int c = 0; c < CH; ++c) {
@@ -417,10 +437,11 @@ void values_in_registers(const float* p, const KV* v, int64_t v_stride, int64_t 
 
 // acc[g] = sum_j p[g][j] * v_j for the G queries.
 template <typename KV>
-void attention_values(const float* p, const KV* v, int64_t v_stride, int64_t len, int64_t G, int64_t D, float* acc) {
+void attention_values(const float* p, const KV* v, int64_t v_stride, int64_t len, int64_t G, int64_t D, float* acc,
+                      AheadRows<KV>* next = nullptr) {
 #if defined(__AVX512F__)
 #define PLAIT_VALUES(g, ch) \
-  if (G == g && D == 16 * ch) return values_in_registers<g, ch>(p, v, v_stride, len, acc);
+  if (G == g && D == 16 * ch) return values_in_registers<g, ch>(p, v, v_stride, len, acc, next);
   PLAIT_VALUES(1, 4) PLAIT_VALUES(2, 4) PLAIT_VALUES(3, 4) PLAIT_VALUES(4, 4) PLAIT_VALUES(5, 4) PLAIT_VALUES(6, 4)
   PLAIT_VALUES(1, 8) PLAIT_VALUES(2, 8) PLAIT_VALUES(3, 8) PLAIT_VALUES(4, 8)
 #undef PLAIT_VALUES
@@ -478,18 +499,19 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at:
       }
       const KV* kb = kp + m * k.stride(0) + kvh * k.stride(1) + j0 * k.stride(2);
       const KV* vb = vp + m * v.stride(0) + kvh * v.stride(1) + j0 * v.stride(2);
-      if (dot) attention_scores(q0, kb, k.stride(2), len, G, D, scale, scores.data(), vb, v.stride(2));
-      else attention_scores(qf.data(), kb, k.stride(2), len, G, D, scale, scores.data(), vb, v.stride(2));
-#if defined(__AVX512F__)
-      if (task + 1 < end) {   // the next task's first keys, while this one's values are read
+      AheadRows<KV> nk, nv;   // the next task's keys while these scores run, its values while these values do
+      if (task + 1 < end) {
         const int64_t nb = (task + 1) / (KVH * parts), nkvh = (task + 1) / parts % KVH, npart = (task + 1) % parts;
-        const KV* nk = kp + row(nb) * k.stride(0) + nkvh * k.stride(1) + lens[row(nb)] * npart / parts * k.stride(2);
-        for (int64_t r = 0, ahead = prefetch_rows<KV>(D); r < ahead; ++r) prefetch_row(nk + r * k.stride(2), D);
+        const int64_t nm = row(nb), n0 = lens[nm] * npart / parts;
+        nk = {kp + nm * k.stride(0) + nkvh * k.stride(1) + n0 * k.stride(2), k.stride(2), lens[nm] * (npart + 1) / parts - n0, D};
+        nv = {vp + nm * v.stride(0) + nkvh * v.stride(1) + n0 * v.stride(2), v.stride(2), nk.len, D};
       }
-#endif
+      if (dot) attention_scores(q0, kb, k.stride(2), len, G, D, scale, scores.data(), vb, v.stride(2), &nk);
+      else attention_scores(qf.data(), kb, k.stride(2), len, G, D, scale, scores.data(), vb, v.stride(2), &nk);
+      nk.upto(1, 1);
       if (parts == 1) {
         for (int64_t g = 0; g < G; ++g) softmax_inplace(scores.data() + g * len, len);
-        attention_values(scores.data(), vb, v.stride(2), len, G, D, of.data());
+        attention_values(scores.data(), vb, v.stride(2), len, G, D, of.data(), &nv);
         for (int64_t i = 0; i < G * D; ++i) ob[i] = Q(of[i]);
         continue;
       }
@@ -498,7 +520,7 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at:
         pt[g * (D + 2)] = mx;
         pt[g * (D + 2) + 1] = sum;
       }
-      attention_values(scores.data(), vb, v.stride(2), len, G, D, of.data());
+      attention_values(scores.data(), vb, v.stride(2), len, G, D, of.data(), &nv);
       for (int64_t g = 0; g < G; ++g) std::copy(of.data() + g * D, of.data() + (g + 1) * D, pt + g * (D + 2) + 2);
     }
   });
