@@ -6,7 +6,7 @@ import pytest
 
 from plait.runtime.request import GenerateInput
 from plait.runtime.sampling_params import SamplingParams
-from plait.runtime.scheduler import Scheduler
+from plait.runtime.scheduler import INDEXED_ROWS_MIN, Scheduler
 from plait.runtime.server_args import ServerArgs
 
 
@@ -126,6 +126,27 @@ def test_oversized_requests_rejected(path):
         s.add_request(req("big", list(range(10, 100))))
     with pytest.raises(ValueError, match="context length"):
         s.add_request(req("long", list(range(10, 600))))
+
+
+def test_wide_decode_steps_index_the_table_once(path):
+    # 10 rows of different lengths, finishing at different steps: steps of >= INDEXED_ROWS_MIN
+    # single-token rows write and read their table entries by one index, the rest per row
+    prompts = [[(i * 53 + j * 7) % 40000 + 10 for j in range(5 + 3 * i)] for i in range(10)]
+    lengths = [6 + 2 * i for i in range(10)]
+    expected = {}
+    for i, (ids, n) in enumerate(zip(prompts, lengths)):
+        alone = make(path)
+        alone.add_request(req(f"r{i}", ids, n))
+        expected.update(run_all(alone))
+    s = make(path)
+    calls = []
+    table_index = s._table_index
+    s._table_index = lambda reqs: calls.append(len(reqs)) or table_index(reqs)
+    for i, (ids, n) in enumerate(zip(prompts, lengths)):
+        s.add_request(req(f"r{i}", ids, n))
+    assert run_all(s) == expected
+    assert calls and min(calls) >= INDEXED_ROWS_MIN
+    idle_accounting_ok(s)
 
 
 def test_request_fill_len_and_tail_without_the_whole_list():
