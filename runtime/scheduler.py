@@ -39,8 +39,8 @@ LPM_MAX_QUEUE = 128
 # Verifying grammar-forced drafts costs extra rows of logits and sampling; above this many running
 # requests greedy constrained ones decode one token per step instead (same text).
 JUMP_FORWARD_MAX_BATCH = 8
-# From this many decode rows, a step where each appends one token writes and reads the rows' new
-# table entries with one indexed op instead of a tensor slice per row (a few us each).
+# From this many decode rows, a step where each appends one token writes the rows' new table
+# entries with one indexed op instead of a tensor slice per row (a few us each).
 INDEXED_ROWS_MIN = 8
 
 
@@ -180,21 +180,22 @@ class Scheduler:
         outputs: list[TokenOutput] = []
         if self.grammar_queue:
             self._poll_grammars(outputs)
-        decode = self._prepare_decode(outputs)
+        decode, decode_slots = self._prepare_decode(outputs)
         prefill = self._schedule_prefill(outputs)
         if not decode and not prefill:
             if self.grammar_queue and not outputs:   # only compiles pending: wait briefly, don't spin
                 wait_futures([f for _, f in self.grammar_queue], timeout=0.005, return_when=FIRST_COMPLETED)
             return outputs
         self.num_steps += 1
-        batch, rows_of = self._build_batch(prefill, decode)
+        batch, rows_of = self._build_batch(prefill, decode, decode_slots)
         logits = self.runner.forward(batch)
         outputs += self._process(prefill, decode, logits, rows_of)
         return outputs
 
-    def _prepare_decode(self, outputs: list[TokenOutput]) -> list[Req]:
+    def _prepare_decode(self, outputs: list[TokenOutput]) -> tuple[list[Req], torch.Tensor | None]:
         """Give every running request slots for its uncomputed tokens — one, or more after a
-        jump-forward — retracting requests if memory is short. Multi-token ones come first."""
+        jump-forward — retracting requests if memory is short. Returns the requests, multi-token
+        ones first, and their new slots in that order (where this step's K/V go)."""
         while self.running and not self._make_room(sum(r.fill_len - r.kv_len for r in self.running)):
             drafted = [r for r in self.running if r.num_draft]
             if drafted:             # drafts are optional: drop them before retracting anyone
@@ -208,17 +209,18 @@ class Scheduler:
                 break
             self._retract(max(self.running, key=lambda r: r.arrival))
         if not self.running:
-            return []
-        need = [r.fill_len - r.kv_len for r in self.running]
+            return [], None
+        decode = sorted(self.running, key=lambda r: r.fill_len - r.kv_len == 1)
+        need = [r.fill_len - r.kv_len for r in decode]
         slots = self.allocator.alloc(sum(need))
         if len(need) >= INDEXED_ROWS_MIN and min(need) == max(need) == 1:
-            self.table.table[self._table_index(self.running)] = slots
-            return list(self.running)
+            self.table.table[self._table_index(decode)] = slots
+            return decode, slots
         start = 0
-        for req, n in zip(self.running, need):
+        for req, n in zip(decode, need):
             self.table.table[req.row, req.kv_len:req.kv_len + n] = slots[start:start + n]
             start += n
-        return sorted(self.running, key=lambda r: r.fill_len - r.kv_len == 1)
+        return decode, slots
 
     def _table_index(self, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor]:
         """The table entries of the requests' first uncomputed tokens, as an advanced index."""
@@ -302,7 +304,7 @@ class Scheduler:
         return self.allocator.available() >= n
 
     # --- the batch -------------------------------------------------------------------------
-    def _build_batch(self, prefill: list[tuple[Req, int]], decode: list[Req]):
+    def _build_batch(self, prefill: list[tuple[Req, int]], decode: list[Req], decode_slots: torch.Tensor | None):
         input_ids, rows, prefix_lens, extend_lens, locs, logits_index = [], [], [], [], [], []
         rows_of: dict[int, tuple[int, int]] = {}    # id(req) -> (first logits row, count)
         table = self.table.table
@@ -321,17 +323,14 @@ class Scheduler:
                 rows_of[id(req)] = (len(logits_index), 1)
                 logits_index.append(pos + take - 1)
             pos += take
-        indexed = len(decode) >= INDEXED_ROWS_MIN and all(r.fill_len - r.kv_len == 1 for r in decode)
-        if indexed:
-            locs.append(table[self._table_index(decode)])
+        if decode:
+            locs.append(decode_slots)   # as _prepare_decode placed them, in this order
         for req in decode:
             take = req.fill_len - req.kv_len
             input_ids += req.fill_from(req.kv_len)
             rows.append(req.row)
             prefix_lens.append(req.kv_len)
             extend_lens.append(take)
-            if not indexed:
-                locs.append(table[req.row, req.kv_len:req.kv_len + take])
             if req.num_draft:    # the logits after the last committed token and after each draft
                 rows_of[id(req)] = (len(logits_index), req.num_draft + 1)
                 logits_index += range(pos + take - req.num_draft - 1, pos + take)

@@ -130,7 +130,7 @@ def test_oversized_requests_rejected(path):
 
 def test_wide_decode_steps_index_the_table_once(path):
     # 10 rows of different lengths, finishing at different steps: steps of >= INDEXED_ROWS_MIN
-    # single-token rows write and read their table entries by one index, the rest per row
+    # single-token rows write their table entries by one index, the rest per row
     prompts = [[(i * 53 + j * 7) % 40000 + 10 for j in range(5 + 3 * i)] for i in range(10)]
     lengths = [6 + 2 * i for i in range(10)]
     expected = {}

@@ -303,7 +303,7 @@ inline void scores_block8(const QT* q, const KV* k0, int64_t k_stride, int64_t D
     _mm256_storeu_ps(scores + g * len, _mm256_mul_ps(hsum8(acc[g]), _mm512_castps512_ps256(vscale)));
 }
 
-// One key's scores for G queries (the keys past the last block of 8).
+// One key's scores for G queries (the keys of a row shorter than a block of 8).
 template <typename QT, typename KV>
 inline void scores_one(const QT* q, const KV* kj, int64_t G, int64_t D, float scale, float* scores, int64_t len) {
   for (int64_t g = 0; g < G; ++g) {
@@ -510,7 +510,8 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at:
   // the scores take bfloat16 q as it lies (a KV head's G query rows contiguous, as the qkv view has them)
   const bool dot = dot_scores<Q, KV>() && D % 32 == 0 && q.stride(1) == D;
   at::parallel_for(0, n * KVH * parts, grain(per_task, 1 << 17), [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(G * std::max<int64_t>((max_len + parts - 1) / parts, 1)), qf(G * D), of(G * D), inv(G);
+    std::vector<float> scores(G * std::max<int64_t>((max_len + parts - 1) / parts, 1)), qf(dot ? 0 : G * D),
+        of(G * D), inv(G);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (KVH * parts), kvh = task / parts % KVH, part = task % parts;
       const int64_t m = row(b), j0 = lens[m] * part / parts, len = lens[m] * (part + 1) / parts - j0;
