@@ -468,3 +468,14 @@ def test_mirror_steady_appends_or_changes_nothing():
     out = torch.ops.plait_cpu.mirror_steady_(ids, stamps, lens, slot_stamp, kv, pre, targets, 9, kv_heads)
     assert out.tolist() == [(t * kv_heads + h) * cap + p for t, p in ((2, 2), (0, 3)) for h in range(kv_heads)]
     assert ids[2, 2] == 7 and ids[0, 3] == 12 and stamps[2, 2] == stamps[0, 3] == 9 and lens.tolist() == [4, 0, 3]
+
+@pytest.mark.parametrize("n,min_share,chunk", [(1000, 1, 7), (64, 4, 1), (5, 1, 3), (1, 1, 1), (0, 1, 1)])
+def test_parallel_shares_run_every_index_once(n, min_share, chunk):
+    """The GEMVs' split: each thread runs its own share front to back, then takes chunks from the
+    back of a slower thread's; every index runs exactly once, and a slow thread's share is taken
+    over (thread 0 sleeps 3 ms in each chunk it runs)."""
+    who = torch.ops.plait_cpu.shares_coverage(n, min_share, chunk, 3000)
+    assert who.shape == (n,) and (who >= 0).all()   # -1: never ran, -2: ran twice
+    threads = min(torch.get_num_threads(), max(1, n // min_share))
+    if threads > 1 and n // threads > chunk:   # share 0 has chunks thread 0 did not get to
+        assert (who[: n // threads] > 0).any()
