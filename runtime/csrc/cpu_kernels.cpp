@@ -595,9 +595,13 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at:
   std::vector<float> partial(parts > 1 ? n * KVH * parts * G * (D + 2) : 0);   // [task][g]: max, sum, o[D]
   // the scores take bfloat16 q as it lies (a KV head's G query rows contiguous, as the qkv view has them)
   const bool dot = dot_scores<Q, KV>() && D % 32 == 0 && q.stride(1) == D;
-  at::parallel_for(0, n * KVH * parts, grain(per_task, 1 << 17), [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(G * std::max<int64_t>((max_len + parts - 1) / parts, 1)), qf(dot ? 0 : G * D),
-        of(G * D), inv(G);
+  const int64_t tasks = n * KVH * parts;
+  parallel_shares(tasks, grain(per_task, 1 << 17), grain(per_task, 1 << 18), [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scores, qf, of, inv;   // grown as needed, kept across calls
+    scores.resize(std::max<size_t>(scores.size(), G * std::max<int64_t>((max_len + parts - 1) / parts, 1)));
+    qf.resize(std::max<size_t>(qf.size(), G * D));
+    of.resize(std::max<size_t>(of.size(), G * D));
+    inv.resize(std::max<size_t>(inv.size(), G));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (KVH * parts), kvh = task / parts % KVH, part = task % parts;
       const int64_t m = row(b), j0 = lens[m] * part / parts, len = lens[m] * (part + 1) / parts - j0;
@@ -614,7 +618,7 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at:
       const KV* kb = kp + m * k.stride(0) + kvh * k.stride(1) + j0 * k.stride(2);
       const KV* vb = vp + m * v.stride(0) + kvh * v.stride(1) + j0 * v.stride(2);
       AheadRows<KV> nk, nv;   // the next task's keys while these scores run, its values while these values do
-      if (task + 1 < end) {
+      if (task + 1 < tasks) {   // past `end` too: a thread's next chunk usually follows
         const int64_t nb = (task + 1) / (KVH * parts), nkvh = (task + 1) / parts % KVH, npart = (task + 1) % parts;
         const int64_t nm = row(nb), n0 = lens[nm] * npart / parts;
         nk = {kp + nm * k.stride(0) + nkvh * k.stride(1) + n0 * k.stride(2), k.stride(2), lens[nm] * (npart + 1) / parts - n0, D};
