@@ -469,6 +469,7 @@ def test_mirror_steady_appends_or_changes_nothing():
     assert out.tolist() == [(t * kv_heads + h) * cap + p for t, p in ((2, 2), (0, 3)) for h in range(kv_heads)]
     assert ids[2, 2] == 7 and ids[0, 3] == 12 and stamps[2, 2] == stamps[0, 3] == 9 and lens.tolist() == [4, 0, 3]
 
+
 @pytest.mark.parametrize("n,min_share,chunk", [(1000, 1, 7), (64, 4, 1), (5, 1, 3), (1, 1, 1), (0, 1, 1)])
 def test_parallel_shares_run_every_index_once(n, min_share, chunk):
     """The GEMVs' split: each thread runs its own share front to back, then takes chunks from the

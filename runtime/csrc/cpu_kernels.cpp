@@ -58,7 +58,7 @@ int64_t grain(int64_t per_row, int64_t work = 32768) {
 // takes it front to back in chunks (one stream, as a static split); a thread done with its own
 // takes chunks from the back of the share with the most left. On this host a vCPU's speed drifts
 // with what shares its core, and with a static split every op waits for the slower thread (bf16+int4
-// batch 1, 120 GEMVs a step: the slower thread's run ~7% above the mean).
+// batch 1, 120 GEMVs a step: the slower thread's run ~6% above the mean).
 constexpr int kMaxShares = 64;
 struct alignas(64) Share {
   std::atomic<uint64_t> range;   // front << 32 | back
@@ -66,11 +66,17 @@ struct alignas(64) Share {
 inline uint64_t pack_range(int64_t front, int64_t back) {
   return static_cast<uint64_t>(front) << 32 | static_cast<uint64_t>(back);
 }
+inline int64_t range_front(uint64_t r) { return static_cast<int64_t>(r >> 32); }
+inline int64_t range_back(uint64_t r) { return static_cast<int64_t>(r & 0xFFFFFFFFu); }
 template <typename F>
 void parallel_shares(int64_t n, int64_t min_share, int64_t chunk, const F& f) {
+  if (n >= (int64_t{1} << 31)) {   // past what a share's packed range holds: a static split
+    at::parallel_for(0, n, min_share, f);
+    return;
+  }
   const int64_t T = std::min<int64_t>({static_cast<int64_t>(at::get_num_threads()), kMaxShares,
                                        std::max<int64_t>(1, n / std::max<int64_t>(1, min_share))});
-  if (T <= 1 || n >= (int64_t{1} << 31) || at::in_parallel_region()) {
+  if (T <= 1 || at::in_parallel_region()) {
     f(int64_t{0}, n);
     return;
   }
@@ -80,27 +86,31 @@ void parallel_shares(int64_t n, int64_t min_share, int64_t chunk, const F& f) {
     for (int64_t t = t0; t < t1; ++t) {
       for (;;) {   // own share, from the front
         uint64_t r = shares[t].range.load(std::memory_order_relaxed);
-        const int64_t front = static_cast<int64_t>(r >> 32), back = static_cast<int64_t>(r & 0xFFFFFFFFu);
+        const int64_t front = range_front(r), back = range_back(r);
         if (front >= back) break;
         const int64_t end = std::min(back, front + chunk);
         if (shares[t].range.compare_exchange_weak(r, pack_range(end, back), std::memory_order_relaxed)) f(front, end);
       }
-      for (;;) {   // others', from the back
-        int64_t best = -1, most = 0;
+      for (;;) {   // others', from the back of the one with the most left
+        int64_t best = -1;
+        uint64_t r = 0;
         for (int64_t s = 0; s < T; ++s) {
-          const uint64_t r = shares[s].range.load(std::memory_order_relaxed);
-          const int64_t left = static_cast<int64_t>(r & 0xFFFFFFFFu) - static_cast<int64_t>(r >> 32);
-          if (left > most) best = s, most = left;
+          const uint64_t rs = shares[s].range.load(std::memory_order_relaxed);
+          if (range_back(rs) - range_front(rs) > (best < 0 ? 0 : range_back(r) - range_front(r))) best = s, r = rs;
         }
         if (best < 0) break;
-        uint64_t r = shares[best].range.load(std::memory_order_relaxed);
-        const int64_t front = static_cast<int64_t>(r >> 32), back = static_cast<int64_t>(r & 0xFFFFFFFFu);
-        if (front >= back) continue;
-        const int64_t begin = std::max(front, back - chunk);
+        const int64_t front = range_front(r), back = range_back(r), begin = std::max(front, back - chunk);
         if (shares[best].range.compare_exchange_weak(r, pack_range(front, begin), std::memory_order_relaxed)) f(begin, back);
       }
     }
   });
+}
+
+// v's first n elements, v grown (never shrunk) to hold them: a thread's scratch kept across calls.
+template <typename T>
+T* at_least(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
 }
 
 // For tests: which thread ran each index of [0, n) under parallel_shares (-1: none, -2: more than
@@ -597,11 +607,11 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at:
   const bool dot = dot_scores<Q, KV>() && D % 32 == 0 && q.stride(1) == D;
   const int64_t tasks = n * KVH * parts;
   parallel_shares(tasks, grain(per_task, 1 << 17), grain(per_task, 1 << 18), [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> scores, qf, of, inv;   // grown as needed, kept across calls
-    scores.resize(std::max<size_t>(scores.size(), G * std::max<int64_t>((max_len + parts - 1) / parts, 1)));
-    qf.resize(std::max<size_t>(qf.size(), G * D));
-    of.resize(std::max<size_t>(of.size(), G * D));
-    inv.resize(std::max<size_t>(inv.size(), G));
+    thread_local std::vector<float> scores, qf, of, inv;
+    at_least(scores, G * std::max<int64_t>((max_len + parts - 1) / parts, 1));
+    at_least(qf, G * D);
+    at_least(of, G * D);
+    at_least(inv, G);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (KVH * parts), kvh = task / parts % KVH, part = task % parts;
       const int64_t m = row(b), j0 = lens[m] * part / parts, len = lens[m] * (part + 1) / parts - j0;
@@ -1064,8 +1074,9 @@ struct QuantizedX {
 };
 QuantizedX& quantized_x(int64_t values, int64_t blocks) {
   thread_local QuantizedX x;
-  if (static_cast<int64_t>(x.q.size()) < values) x.q.resize(values);
-  if (static_cast<int64_t>(x.scale.size()) < blocks) x.scale.resize(blocks), x.sum.resize(blocks);
+  at_least(x.q, values);
+  at_least(x.scale, blocks);
+  at_least(x.sum, blocks);
   return x;
 }
 
@@ -1099,7 +1110,8 @@ void int8_gemv_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   QuantizedX& xq = quantized_x(M * K, M * B);
   quantize_int16_blocks<64>(xc, xq.q.data(), xq.scale.data(), nullptr);
   if (!y.defined()) y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  else check_out(y, {M, N}, y.scalar_type() == at::kBFloat16 ? at::kBFloat16 : at::kFloat, "int8_gemv");
+  TORCH_CHECK(y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16, "int8_gemv: out must be float32 or bfloat16");
+  check_out(y, {M, N}, y.scalar_type(), "int8_gemv");
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   const int16_t* xp = xq.q.data();
@@ -1216,9 +1228,9 @@ void int4_gemv_into(const at::Tensor& x, const at::Tensor& w, const c10::optiona
   const int64_t M = x.size(0), K = x.size(1), G = K / 32, NB = w.size(0), N = NB * 16;
   const at::Tensor xc = x.contiguous();
   QuantizedX& q = quantized_x(M * K, M * G);
-  const int16_t* xq = q.q.data();
-  const float *xs = q.scale.data(), *xsum = q.sum.data();
-  quantize_int16_blocks<32>(xc, q.q.data(), q.scale.data(), q.sum.data());
+  int16_t* xq = q.q.data();
+  float *xs = q.scale.data(), *xsum = q.sum.data();
+  quantize_int16_blocks<32>(xc, xq, xs, xsum);
   if (!y.defined()) y = at::empty({M, N}, x.options());
   else check_out(y, {M, N}, x.scalar_type(), "int4_gemv");
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
@@ -1428,14 +1440,13 @@ at::Tensor decode_layers_(at::Tensor x, at::TensorList weights,
       if (!buf.defined() || buf.size(1) != width) buf = at::empty({like.size(0), width}, like.options());
       return buf;
     }
-  } h, qkv, attn, o, gu, act, d;
-  bool have_d = false;   // the previous layer's output d, added to x by the next norm (none before layer 0)
+  } h, qkv, attn, o, gu, act, d;   // d: the previous layer's output, added to x by the next norm (none before layer 0)
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + 10 * l;
     const int64_t* kind = kinds.data() + 8 * l;
     prefetch_kv_targets(pool_k[l], pool_v[l], mirror_k[l], mirror_v[l], slots.data_ptr<int64_t>(),
                         mirror_at.data_ptr<int64_t>(), rows, kv_heads, head_dim);
-    rms_norm_into(x, have_d ? c10::optional<at::Tensor>(d.buf) : c10::nullopt, w[0], eps, h.of(x, x.size(1)));
+    rms_norm_into(x, d.buf.defined() ? c10::optional<at::Tensor>(d.buf) : c10::nullopt, w[0], eps, h.of(x, x.size(1)));
     TORCH_CHECK(kind[1] == q_width + 2 * kv_width, "decode_layers_: qkv has the wrong width");
     project_into(h.buf, kind, w[1], w[2], qkv.of(x, kind[1]));
     rope_(qkv.buf, cos, sin, heads + kv_heads, head_dim);
@@ -1450,7 +1461,6 @@ at::Tensor decode_layers_(at::Tensor x, at::TensorList weights,
     project_into(h.buf, kind + 4, w[6], w[7], gu.of(x, kind[5]));
     silu_mul_into(gu.buf, act.of(x, kind[5] / 2));
     project_into(act.buf, kind + 6, w[8], w[9], d.of(x, kind[7]));
-    have_d = true;
   }
   return d.buf;
 }
