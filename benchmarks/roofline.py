@@ -48,8 +48,10 @@ def measure_matmul(kind: str, m: int, n: int = 2048, k: int = 2048, reps: int = 
     """GFLOP/s of `[m, k] x [k, n]` for kind float32 / bfloat16 (prepacked oneDNN when available,
     as plait runs them), int8 or int4 (plait's Int8Linear / Int4Linear)."""
     import torch
+    from plait.runtime import cpu_kernels
     from plait.runtime.prepack import PackedLinear, prepack_available
     from plait.runtime.quantization import Int4Linear, Int8Linear
+    cpu_kernels.load()   # as a model's load does: the layers below take the fused kernels where they run
     w = torch.randn(n, k) * 0.02
     if kind in ("int8", "int4"):
         layer, x = (Int8Linear if kind == "int8" else Int4Linear)(w, None), torch.randn(m, k)

@@ -5,7 +5,10 @@ of 3-10 aten ops; `small_gemm`, the float32 / bfloat16 projections at decode's b
 (weights in panels of 32 output columns, 12 rows of x against a panel at a time, bfloat16 by AVX512-BF16
 dot products; `prepack.py`);
 `int8_gemv`, AVX512-VNNI int8 layers and LM head, and `int4_gemv`, int4 (GGUF Q4_1) layers at decode's few
-rows on int16 activations, also by VNNI (`quantization.py`); `decode_layers_`, a steady decode step's
+rows on int16 activations, also by VNNI (`quantization.py`). On a CPU with AVX2 but no AVX-512 (AMD before
+Zen 4, Intel client cores) each of these has an 8-wide AVX2 path (small_gemm: half panels of 16 columns,
+6 float32 / 4 bfloat16 rows, bfloat16 weights widened by shifts; the integer GEMVs by vpmaddwd), so the
+same kernels run there (oneDNN has no bfloat16 path on such a CPU: `prepack.onednn_takes`); `decode_layers_`, a steady decode step's
 decoder layers in one op (the same kernels as the layer loop, in its order: models/llama.py);
 `mirror_steady_`, the decode mirror's book-keeping for such a step (decode_mirror.py); `argmax_rows`,
 greedy sampling.
@@ -175,22 +178,22 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
-def vnni_available() -> bool:
+def int8_gemv_available() -> bool:
     """Whether `torch.ops.plait_cpu.int8_gemv` runs here: kernels built (`load()` called) for a
-    CPU with AVX512-VNNI."""
-    return _state.get("ok", False) is True and bool(torch.ops.plait_cpu.has_vnni())
+    CPU with AVX512-VNNI or AVX2."""
+    return _state.get("ok", False) is True and bool(torch.ops.plait_cpu.has_int_gemv())
 
 
 def int4_gemv_available() -> bool:
     """Whether `torch.ops.plait_cpu.int4_gemv` (int4 weights packed by `int4_gemv_pack`, 1-8 rows)
     runs here: the same condition as `int8_gemv`'s."""
-    return vnni_available()
+    return int8_gemv_available()
 
 
 def small_gemm_available(dtype: torch.dtype) -> bool:
     """Whether `torch.ops.plait_cpu.small_gemm` (any number of rows on weights packed by `pack_panels`)
-    runs here for `dtype`: kernels built (`load()` called) for a CPU with AVX512BW/VL, and AVX512-BF16 for
-    bfloat16."""
+    runs here for `dtype`: kernels built (`load()` called) for a CPU with AVX512BW/VL (and AVX512-BF16 for
+    bfloat16) or with AVX2."""
     return (_state.get("ok", False) is True and dtype in _DTYPES
             and bool(torch.ops.plait_cpu.has_small_gemm(dtype == torch.bfloat16)))
 

@@ -9,6 +9,7 @@ faster than oneDNN's GEMM up to 64 float32 / 128 bfloat16 rows (14-30% at 8-32).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 
@@ -26,6 +27,20 @@ def prepack_available() -> bool:
     return (torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_takes(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's prepacked linear runs `dtype` on this CPU: its bfloat16 path needs AVX-512
+    (BW/VL/DQ) or AVX-NE-CONVERT and raises elsewhere (an AVX2-only CPU)."""
+    if not prepack_available():
+        return False
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8, dtype=dtype))
+        torch.ops.mkldnn._linear_pointwise(torch.ones(1, 8, dtype=dtype), w, None, "none", [], "")
+        return True
+    except Exception:   # RuntimeError here; whatever another build raises, the answer is the same
+        return False
 
 
 # Up to this many rows (decode's batch sizes) `cpu_kernels.small_gemm` on the weight's panels; above,
@@ -49,7 +64,8 @@ class PackedLinear(nn.Module):
     """`y = x @ W.T + b` with W held in oneDNN's blocked layout, and (`small_rows`) also in
     `small_gemm`'s panels, for decode's batch sizes. `panels_only`: one copy, the panels, for
     every number of rows where `small_gemm` runs (quantized layers' bfloat16 copy: those rows are
-    the ones their own kernels do not take); oneDNN's elsewhere."""
+    the ones their own kernels do not take), also where oneDNN does not take the dtype; oneDNN's
+    elsewhere, or `F.linear` where neither runs."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, small_rows: bool = True,
                  panels_only: bool = False):
@@ -58,10 +74,14 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().clone()
         small = ((small_rows or panels_only) and cpu_kernels.small_gemm_available(weight.dtype)
                  and (weight.dtype == torch.float32 or self.in_features % 2 == 0))
+        onednn = onednn_takes(weight.dtype)
+        panels_only = panels_only or (small and not onednn)
         self.panels = cpu_kernels.pack_panels(weight) if small else None
         self.small_rows = 0 if not small else sys.maxsize if panels_only else SMALL_GEMM_MAX_ROWS[weight.dtype]
-        self.packed = None if small and panels_only else torch.ops.mkldnn._reorder_linear_weight(
+        self.packed = None if (small and panels_only) or not onednn else torch.ops.mkldnn._reorder_linear_weight(
             weight.detach().contiguous())
+        # neither kernel runs this dtype here: the plain weight, for F.linear
+        self.weight = None if self.packed is not None or (small and panels_only) else weight.detach()
         # the kernel adds a float32 bias: converted once here, not on every call
         self.small_bias = None if self.bias is None or not small else self.bias.float()
         # Without that kernel, a float32 single row goes through bmm with the weight viewed as
@@ -97,8 +117,10 @@ class PackedLinear(nn.Module):
             y = torch.bmm(self.halves, x2.t().unsqueeze(0).expand(2, -1, -1)).view(1, self.out_features)
             if self.bias is not None:
                 y = y + self.bias
-        else:
+        elif self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+        else:
+            y = F.linear(x2, self.weight, self.bias)
         return y if flat else y.reshape(*x.shape[:-1], self.out_features)
 
 

@@ -5,12 +5,12 @@ replaced by a module holding quantized weights.
 [-127, 127] and one float32 scale per output row. The matmul kernel depends on the device:
 
 - CPU, `int8pack` (default): weight-only. Up to 8 rows (decode's batches), on a CPU with
-  AVX512-VNNI, `cpu_kernels.int8_gemv` (int16 activations in blocks of 64, exact int32 dot
+  AVX512-VNNI or AVX2, `cpu_kernels.int8_gemv` (int16 activations in blocks of 64, exact int32 dot
   products; see the LM head below; whole float32 + int8 SmolLM2 decode steps, arms alternating in
   one process, load 1.7, ms min/median: batch 1 5.40/6.56 vs 10.25/10.78 with torch's kernel,
-  batch 4 8.65/8.75 vs 12.60/13.32). Without VNNI, below 4 rows (batch-1 / small-batch decode, where
+  batch 4 8.65/8.75 vs 12.60/13.32). Without either, below 4 rows (batch-1 / small-batch decode, where
   reading the weights is the cost) `torch._weight_int8pack_mm` reads the int8 weights with
-  bfloat16 activations; from 4 rows on (from 9 with VNNI), where compute is the cost and that kernel (which does not
+  bfloat16 activations; from 4 rows on (from 9 with that kernel), where compute is the cost and that kernel (which does not
   reuse a weight across rows) falls behind, a bfloat16 copy of the *dequantized* int8 weights
   computes the same product: in `cpu_kernels.small_gemm`'s panels where that kernel runs (whole
   bf16+int4 steps, arms alternating, load ~1.5: batch 16 21.2 vs 24.7 ms, batch 32 29.6 vs 33.6
@@ -34,8 +34,8 @@ logits of benchmarks/quality.py's text: int4 0.0017, int8 0.0050; perplexity 24.
 24.060 (int4), 24.086 (int8). Kernels:
 
 - CPU, `int4pack` (default): up to 8 rows (decode's batches, a request's speculative drafts),
-  `cpu_kernels.int4_gemv` on a CPU with AVX512-VNNI: x quantized to int16 per group of 32, code x
-  activation products summed exactly in int32 (vpdpwssd), Q4_1's float16 scales and minimums
+  `cpu_kernels.int4_gemv` on a CPU with AVX512-VNNI or AVX2: x quantized to int16 per group of 32, code x
+  activation products summed exactly in int32 (vpdpwssd; AVX2: vpmaddwd), Q4_1's float16 scales and minimums
   applied once per group, 16 output rows to a vector; it reads the weights at close to the
   machine's bandwidth where torch's kernel (float32 FMAs on converted codes) is compute-bound.
   SmolLM2's 120 layer matrices at one row (2 threads, load 0.4): 2.41 vs 3.27 ms (torch's), 2
@@ -43,7 +43,7 @@ logits of benchmarks/quality.py's text: int4 0.0017, int8 0.0050; perplexity 24.
   whole bf16+int4 decode steps, arms alternating in one process (load 0.7-1.1): batch 1 6.1 vs
   7.3 ms (min of 6 rounds; medians 6.8 vs 8.2), batch 4 7.9 vs 9.9, batch 8 13.1 vs 14.9. KL to
   float32 over 48 decode steps of the quality text: 0.00107 vs 0.00121 (torch's kernel, bfloat16
-  activations and scales). Without VNNI, torch's `_weight_int4pack_mm_for_cpu` with bfloat16
+  activations and scales). Without either, torch's `_weight_int4pack_mm_for_cpu` with bfloat16
   activations (float32 ones are ~20x slower) up to 9 rows. From there on the bfloat16 copy of the
   dequantized weight, as int8 does (whole-step figures at `_INT4PACK_MAX_ROWS`). Both
   kernels need N % 16 == 0 (else the bf16 copy serves every row); a layer whose K is not a
@@ -55,7 +55,7 @@ The LM head stays int8 with `int4`: it is the matrix whose error lands on the lo
 and the GGUF stores it (the tied token embedding) as Q8_0, not 4-bit; llama.cpp's 4-bit mixes keep
 it at 6-8 bits as well. Measured on SmolLM2: an int4 head raises KL to 0.059 and drops top-1
 agreement with float32 from 97% to 81%, for 3.7 ms less per batch-1 step (the head alone: int8
-5.6, int4 1.9 ms, load 4). Up to 8 rows, an int8 LM head on a CPU with AVX512-VNNI runs through
+5.6, int4 1.9 ms, load 4). Up to 8 rows, an int8 LM head on a CPU with AVX512-VNNI or AVX2 runs through
 `cpu_kernels` `int8_gemv` (`Int8Linear.use_vnni_gemv`): activations as int16 in blocks of 64, exact
 int32 dot products, float32 logits. Measured on SmolLM2's head [49152, 576], 2 threads: 1 row
 1.05 vs 2.87 ms (`_weight_int8pack_mm`), 3 rows 1.6 vs 3.5; on 242 positions of the quality text,
@@ -88,7 +88,7 @@ _INT8PACK_MAX_ROWS = 4   # CPU: from this many rows, the bf16 copy of the dequan
 # 31.4, 8 30.2-33.3 vs 34.3-38.2, 12 52.0 vs 52.3, 16 46.8 vs 43.1, 32 81.2 vs 62.1.
 _INT4PACK_MAX_ROWS = 10
 _INT4PACK_GROUP_SIZES = (32, 64, 128, 256)   # what torch's CPU int4 kernel accepts
-_INT4_GEMV_MAX_ROWS = 8   # cpu_kernels.int4_gemv (AVX512-VNNI) takes 1..8 rows
+_INT4_GEMV_MAX_ROWS = 8   # cpu_kernels.int4_gemv (AVX512-VNNI or AVX2) takes 1..8 rows
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,11 +184,11 @@ class Int8Linear(_WeightOnlyLinear):
 
     def use_vnni_gemv(self) -> bool:
         """From here on, up to 8 rows go through `cpu_kernels.int8_gemv` (activations as int16 in
-        blocks of 64, AVX512-VNNI int16 x int8 dot products, float32 out) where it runs; False
+        blocks of 64, AVX512-VNNI or AVX2 int16 x int8 dot products, float32 out) where it runs; False
         where it does not (the weight-only kernels stay)."""
         from . import cpu_kernels
         self.vnni_gemv = (self.kernel == "int8pack" and self.bias is None and self.in_features % 64 == 0
-                          and self.qweight.device.type == "cpu" and cpu_kernels.vnni_available())
+                          and self.qweight.device.type == "cpu" and cpu_kernels.int8_gemv_available())
         return self.vnni_gemv
 
     def decode_kernel(self, rows: int, dtype: torch.dtype) -> tuple | None:
@@ -286,7 +286,7 @@ class Int4Linear(_WeightOnlyLinear):
     The weight is held as 4-bit codes plus one (scale, minimum) pair per group in float16, Q4_1's
     own form: `W[n, k] = q[n, k] * scale[n, g] + minimum[n, g]` (for a model read from a Q4_1 GGUF,
     the file's weights exactly). Kernels: `int4pack` (CPU) runs `cpu_kernels.int4_gemv` (int16
-    activations, AVX512-VNNI) up to `_INT4_GEMV_MAX_ROWS` rows; where that kernel does not run,
+    activations, AVX512-VNNI or AVX2) up to `_INT4_GEMV_MAX_ROWS` rows; where that kernel does not run,
     torch's `_weight_int4pack_mm_for_cpu` (bfloat16 activations and bfloat16 scales, at most ~1.6%
     of a quantization step away) below `_INT4PACK_MAX_ROWS` rows; from there on a bfloat16 copy
     of W (`small_gemm` panels, else oneDNN's; neither int4 kernel reuses a weight across rows). Both kernels need N % 16 == 0,

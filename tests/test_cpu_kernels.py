@@ -229,8 +229,8 @@ def test_kv_write_rejects_out_of_range_slots():
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("x_dtype", DTYPES)
 def test_int8_gemv_is_the_exact_product_up_to_int16_activations(rows, x_dtype):
-    if not cpu_kernels.vnni_available():
-        pytest.skip("no AVX512-VNNI")
+    if not cpu_kernels.int8_gemv_available():
+        pytest.skip("no AVX512-VNNI or AVX2")
     g = torch.Generator().manual_seed(rows)
     w = torch.randint(-127, 128, (1000, 576), dtype=torch.int8, generator=g)
     scale = torch.rand(1000, generator=g) / 50
@@ -247,7 +247,7 @@ def test_int8_linear_vnni_gemv_rows():
     x = torch.randn(2, 128)
     weight_only = lin(x.bfloat16()).float()
     if not lin.use_vnni_gemv():
-        pytest.skip("no AVX512-VNNI")
+        pytest.skip("no AVX512-VNNI or AVX2")
     got = lin(x)
     ref = x @ lin.dequantized().t()
     assert got.dtype == torch.float32
@@ -261,7 +261,7 @@ def test_int8_linear_vnni_gemv_rows():
 @pytest.mark.parametrize("n,k", [(96, 64), (1000, 200), (64, 576)])   # 1000: a last panel of 8 columns
 def test_small_gemm_matches_linear(rows, dtype, n, k):
     if not cpu_kernels.small_gemm_available(dtype):
-        pytest.skip("no AVX512BW/VL (or BF16)")
+        pytest.skip("no AVX512BW/VL (or BF16) or AVX2")
     g = torch.Generator().manual_seed(rows * k)
     w = torch.randn(n, k, generator=g).to(dtype)
     x = torch.randn(rows, k, generator=g).to(dtype)
@@ -310,7 +310,7 @@ def _int4_weight(n: int, k: int, g: torch.Generator):
 @pytest.mark.parametrize("k", [32, 576, 1536])
 def test_int4_gemv_matches_linear(rows, x_dtype, k):
     if not cpu_kernels.int4_gemv_available():
-        pytest.skip("no AVX512-VNNI")
+        pytest.skip("no AVX512-VNNI or AVX2")
     g = torch.Generator().manual_seed(rows * k)
     q, scale, minimum, w = _int4_weight(96, k, g)
     packed = cpu_kernels.int4_gemv_pack(q, scale, minimum)

@@ -169,17 +169,28 @@ def test_smollm2_bfloat16_close_to_float32(smollm2_path, prompts):
 
 
 @pytest.mark.parametrize("rows", [1, 8, 128, 129])
-def test_packed_linear_bfloat16_rows(rows):
-    """bfloat16: up to 128 rows through small_gemm's dot products, more through oneDNN; both
-    F.linear's product up to one bfloat16 rounding of the output."""
-    from plait.runtime.prepack import PackedLinear, prepack_available
-    if not prepack_available():
+@pytest.mark.parametrize("onednn,small_gemm", [(True, True), (False, True), (False, False)])
+def test_packed_linear_bfloat16_rows(rows, onednn, small_gemm, monkeypatch):
+    """bfloat16: up to 128 rows through small_gemm, more through oneDNN; where oneDNN has no bfloat16
+    path (an AVX2-only CPU), every row through small_gemm, or F.linear without it. All F.linear's
+    product up to one bfloat16 rounding of the output."""
+    import sys
+
+    from plait.runtime import prepack
+    if not prepack.prepack_available():
         pytest.skip("this torch has no oneDNN prepacked linear")
     assert cpu_kernels.load()
+    if onednn and not prepack.onednn_takes(torch.bfloat16):
+        pytest.skip("oneDNN has no bfloat16 path on this CPU")
+    if small_gemm and not cpu_kernels.small_gemm_available(torch.bfloat16):
+        pytest.skip("no small_gemm for bfloat16 on this CPU")
+    monkeypatch.setattr(prepack, "onednn_takes", lambda dtype: onednn)
+    monkeypatch.setattr(cpu_kernels, "small_gemm_available", lambda dtype: small_gemm)
     torch.manual_seed(1)
     w, x, b = torch.randn(96, 192).bfloat16(), torch.randn(rows, 192).bfloat16(), torch.randn(96).bfloat16()
-    lin = PackedLinear(w, b)
-    assert lin.small_rows == (128 if cpu_kernels.small_gemm_available(torch.bfloat16) else 0)
+    lin = prepack.PackedLinear(w, b)
+    assert lin.small_rows == (0 if not small_gemm else 128 if onednn else sys.maxsize)
+    assert (lin.packed is not None) == onednn and (lin.weight is not None) == (not onednn and not small_gemm)
     got, ref = lin(x), torch.nn.functional.linear(x.float(), w.float(), b.float())
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), ref, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
@@ -197,7 +208,7 @@ def test_packed_linear_float32_rows(rows, bias, small_gemm, monkeypatch):
         pytest.skip("this torch has no oneDNN prepacked linear")
     assert cpu_kernels.load()
     if small_gemm and not cpu_kernels.small_gemm_available(torch.float32):
-        pytest.skip("no AVX512BW/VL")
+        pytest.skip("no AVX512BW/VL or AVX2")
     monkeypatch.setattr(cpu_kernels, "small_gemm_available", lambda dtype: small_gemm)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -25,8 +25,13 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+// CPUs with AVX2 but no AVX-512 (AMD before Zen 4, Intel client cores) take 8-wide versions of the
+// hot kernels; each AVX-512 block below keeps its own path, the AVX2 one is the #elif.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PLAIT_AVX2 1
 #endif
 
 namespace {
@@ -176,6 +181,59 @@ inline __m512 exp16(__m512 x) {
 }
 #endif
 
+#if defined(PLAIT_AVX2)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+// float32 -> bfloat16 bits, round to nearest even, NaN -> 0x7FC0 (as to_bf16_bits).
+inline __m128i to_bf16_bits8(__m256 f) {
+  const __m256i u = _mm256_castps_si256(f);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+  r = _mm256_srli_epi32(r, 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16_bits8(v)); }
+inline __m256 stored8(float*, __m256 v) { return v; }
+inline __m256 stored8(c10::BFloat16*, __m256 v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16_bits8(v)), 16));
+}
+inline float reduce_add8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float reduce_max8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+// The first n (0..8) lanes.
+inline __m256i lanes8(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+// e^x as exp16: 2^n * p(r), 2^n built in the exponent bits (n in [-126, 127] for x in [-87, 88]).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
 // ---- RMSNorm, optionally after a residual add --------------------------------------------------
 template <typename T>
 void rms_norm_kernel(T* x, const T* delta, const T* w, T* y, int64_t rows, int64_t dim, float eps) {
@@ -202,6 +260,23 @@ void rms_norm_kernel(T* x, const T* delta, const T* w, T* y, int64_t rows, int64
         const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(dim) + eps));
         for (int64_t i = 0; i < dim; i += 16)
           store16(yr + i, _mm512_mul_ps(stored16(yr, _mm512_mul_ps(load16(xr + i), inv)), load16(w + i)));
+        continue;
+      }
+#elif defined(PLAIT_AVX2)
+      if (dim % 8 == 0) {
+        __m256 acc = _mm256_setzero_ps();
+        const T* dr = delta != nullptr ? delta + r * dim : nullptr;
+        for (int64_t i = 0; i < dim; i += 8) {
+          __m256 v = load8(xr + i);
+          if (dr != nullptr) {
+            v = stored8(xr, _mm256_add_ps(v, load8(dr + i)));
+            store8(xr + i, v);
+          }
+          acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        const __m256 inv = _mm256_set1_ps(1.f / std::sqrt(reduce_add8(acc) / static_cast<float>(dim) + eps));
+        for (int64_t i = 0; i < dim; i += 8)
+          store8(yr + i, _mm256_mul_ps(stored8(yr, _mm256_mul_ps(load8(xr + i), inv)), load8(w + i)));
         continue;
       }
 #endif
@@ -340,12 +415,15 @@ constexpr bool kDotScores = false;
 template <typename QT, typename KV>
 constexpr bool dot_scores() { return kDotScores && std::is_same_v<QT, c10::BFloat16> && std::is_same_v<KV, c10::BFloat16>; }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(PLAIT_AVX2)
 template <typename KV>
 inline void prefetch_row(const KV* p, int64_t D) {
   for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(KV)); b += 64)
     _mm_prefetch(reinterpret_cast<const char*>(p) + b, _MM_HINT_T0);
 }
+#endif
+
+#if defined(__AVX512F__)
 
 // The sums of 8 vectors' lanes, in key order: a transposing add tree (~3 instructions a vector)
 // instead of 8 horizontal reductions (~8 each), which had made the scores compute-bound.
@@ -416,6 +494,29 @@ inline void scores_one(const QT* q, const KV* kj, int64_t G, int64_t D, float sc
 }
 #endif
 
+#if defined(PLAIT_AVX2)
+// scores of 4 keys for GN queries (rows of `scores`, stride len; q float32): 16 registers hold
+// GN * 4 accumulators, each key chunk loaded (and widened) once for all queries.
+template <int GN, typename KV>
+inline void scores_block4(const float* q, const KV* k0, int64_t k_stride, int64_t D, float scale, float* scores,
+                          int64_t len) {
+  __m256 acc[GN][4];
+  for (int g = 0; g < GN; ++g)
+    for (int i = 0; i < 4; ++i) acc[g][i] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    for (int i = 0; i < 4; ++i) {
+      const __m256 kd = load8(k0 + i * k_stride + d);
+      for (int g = 0; g < GN; ++g) acc[g][i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), kd, acc[g][i]);
+    }
+  }
+  for (int g = 0; g < GN; ++g) {   // the 4 keys' sums in order: per 128-bit half, then the halves added
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(acc[g][0], acc[g][1]), _mm256_hadd_ps(acc[g][2], acc[g][3]));
+    const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    _mm_storeu_ps(scores + g * len, _mm_mul_ps(sum, _mm_set1_ps(scale)));
+  }
+}
+#endif
+
 // The next task's K or V rows [0, len), fetched a share at a time while this task's scores or values
 // run: by the time this loop has done `done` of its `total` steps, rows up to len * done / total.
 // (The hardware prefetcher barely ramps up on a task's few-KB streams: bfloat16, 30 layers x 150
@@ -425,7 +526,7 @@ struct AheadRows {
   const KV* p = nullptr;
   int64_t stride = 0, len = 0, D = 0, sent = 0;
   inline void upto(int64_t done, int64_t total) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(PLAIT_AVX2)
     const int64_t r1 = p == nullptr ? 0 : len * done / total;
     for (; sent < r1; ++sent) prefetch_row(p + sent * stride, D);
 #endif
@@ -474,6 +575,35 @@ void attention_scores(const QT* q, const KV* k, int64_t k_stride, int64_t len, i
     for (; j < len; ++j) scores_one(q, k + j * k_stride, G, D, scale, scores + j, len);
     return;
   }
+#elif defined(PLAIT_AVX2)
+  if constexpr (std::is_same_v<QT, float>) {
+    if (D % 8 == 0 && len >= 4) {
+      const int64_t ahead = prefetch_rows<KV>(D);
+      auto block = [&](int64_t j0) {   // keys j0 .. j0 + 3, up to 3 queries at a time
+        for (int64_t g0 = 0; g0 < G; g0 += 3) {
+          const float* qg = q + g0 * D;
+          const KV* k0 = k + j0 * k_stride;
+          float* sg = scores + g0 * len + j0;
+          switch (std::min<int64_t>(3, G - g0)) {
+            case 3: scores_block4<3>(qg, k0, k_stride, D, scale, sg, len); break;
+            case 2: scores_block4<2>(qg, k0, k_stride, D, scale, sg, len); break;
+            default: scores_block4<1>(qg, k0, k_stride, D, scale, sg, len); break;
+          }
+        }
+      };
+      int64_t j = 0;
+      for (; j + 4 <= len; j += 4) {
+        for (int64_t r = j + ahead; r < j + ahead + 4; ++r) {
+          if (r < len) prefetch_row(k + r * k_stride, D);
+          else if (v != nullptr && r - len < len) prefetch_row(v + (r - len) * v_stride, D);
+        }
+        if (next != nullptr && (j & 7) == 4) next->upto(j + 4, len);
+        block(j);
+      }
+      if (j < len) block(len - 4);   // the last keys as one more block, overlapping the one before
+      return;
+    }
+  }
 #endif
   for (int64_t j = 0; j < len; ++j) {
     const KV* kj = k + j * k_stride;
@@ -510,6 +640,26 @@ inline std::pair<float, float> exp_inplace(float* s, int64_t len) {
     vsum = _mm512_mask_add_ps(vsum, tail, vsum, e);
   }
   return {mx, _mm512_reduce_add_ps(vsum)};
+#elif defined(PLAIT_AVX2)
+  const int64_t full = len - len % 8;
+  const __m256i tail = lanes8(len % 8);
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 vmax = _mm256_blendv_ps(ninf, _mm256_maskload_ps(s + full, tail), _mm256_castsi256_ps(tail));
+  for (int64_t j = 0; j < full; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + j));
+  const float mx = reduce_max8(vmax);
+  const __m256 vmx = _mm256_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < full; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
+    _mm256_storeu_ps(s + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  if (len % 8) {
+    const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(s + full, tail), vmx)), _mm256_castsi256_ps(tail));
+    _mm256_maskstore_ps(s + full, tail, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  return {mx, reduce_add8(vsum)};
 #else
   const float mx = *std::max_element(s, s + len);
   float sum = 0.f;
@@ -527,6 +677,8 @@ inline void store_scaled(const float* x, float scale, int64_t n, T* y) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   for (; i + 16 <= n; i += 16) store16(y + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(scale)));
+#elif defined(PLAIT_AVX2)
+  for (; i + 8 <= n; i += 8) store8(y + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(scale)));
 #endif
   for (; i < n; ++i) y[i] = T(x[i] * scale);
 }
@@ -558,6 +710,34 @@ void values_in_registers(const float* p, const KV* v, int64_t v_stride, int64_t 
 }
 #endif
 
+#if defined(PLAIT_AVX2)
+// acc[g][c0, c0 + 8 CH) = sum_j p[g][j] * v_j[c0, c0 + 8 CH) (acc rows D apart): 16 registers hold
+// G * CH accumulators, so a head of 64 dims takes two passes over its values (the second from L1/L2).
+template <int G, int CH, typename KV>
+void values_in_registers8(const float* p, const KV* v, int64_t v_stride, int64_t len, int64_t D, float* acc,
+                          bool fetch, AheadRows<KV>* next) {
+  __m256 a[G][CH];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CH; ++c) a[g][c] = _mm256_setzero_ps();
+  const int64_t ahead = prefetch_rows<KV>(D);
+  for (int64_t j = 0; j < len; ++j) {
+    const KV* vj = v + j * v_stride;
+    if (fetch) {   // (the first pass: the rows whole, and the next task's values)
+      if (j + ahead < len) prefetch_row(vj + ahead * v_stride, D);
+      if (next != nullptr && (j & 7) == 7) next->upto(j + 1, len);
+    }
+    __m256 pg[G];
+    for (int g = 0; g < G; ++g) pg[g] = _mm256_set1_ps(p[g * len + j]);
+    for (int c = 0; c < CH; ++c) {
+      const __m256 vc = load8(vj + 8 * c);
+      for (int g = 0; g < G; ++g) a[g][c] = _mm256_fmadd_ps(pg[g], vc, a[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CH; ++c) _mm256_storeu_ps(acc + g * D + 8 * c, a[g][c]);
+}
+#endif
+
 // acc[g] = sum_j p[g][j] * v_j for the G queries.
 template <typename KV>
 void attention_values(const float* p, const KV* v, int64_t v_stride, int64_t len, int64_t G, int64_t D, float* acc,
@@ -568,6 +748,25 @@ void attention_values(const float* p, const KV* v, int64_t v_stride, int64_t len
   PLAIT_VALUES(1, 4) PLAIT_VALUES(2, 4) PLAIT_VALUES(3, 4) PLAIT_VALUES(4, 4) PLAIT_VALUES(5, 4) PLAIT_VALUES(6, 4)
   PLAIT_VALUES(1, 8) PLAIT_VALUES(2, 8) PLAIT_VALUES(3, 8) PLAIT_VALUES(4, 8)
 #undef PLAIT_VALUES
+#elif defined(PLAIT_AVX2)
+  if (G <= 3 && D % 32 == 0) {   // 4 chunks of 8 dims a pass; the first pass fetches ahead
+    for (int64_t c0 = 0; c0 < D; c0 += 32) {
+      if (G == 1) values_in_registers8<1, 4>(p, v + c0, v_stride, len, D, acc + c0, c0 == 0, next);
+      else if (G == 2) values_in_registers8<2, 4>(p, v + c0, v_stride, len, D, acc + c0, c0 == 0, next);
+      else values_in_registers8<3, 4>(p, v + c0, v_stride, len, D, acc + c0, c0 == 0, next);
+    }
+    return;
+  }
+  if (G <= 6 && D % 16 == 0) {
+    for (int64_t c0 = 0; c0 < D; c0 += 16) {
+      switch (G) {
+#define PLAIT_VALUES8(g) case g: values_in_registers8<g, 2>(p, v + c0, v_stride, len, D, acc + c0, c0 == 0, next); break;
+        PLAIT_VALUES8(1) PLAIT_VALUES8(2) PLAIT_VALUES8(3) PLAIT_VALUES8(4) PLAIT_VALUES8(5) PLAIT_VALUES8(6)
+#undef PLAIT_VALUES8
+      }
+    }
+    return;
+  }
 #endif
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t j = 0; j < len; ++j) {
@@ -746,6 +945,13 @@ void silu_mul_kernel(const T* gu, T* y, int64_t rows, int64_t I) {
         const __m512 silu = stored16(yr, _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
         store16(yr + i, _mm512_mul_ps(silu, load16(u + i)));
       }
+#elif defined(PLAIT_AVX2)
+      for (; i + 8 <= I; i += 8) {
+        const __m256 gv = load8(g + i);
+        const __m256 e = exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv), _mm256_set1_ps(88.f)));
+        const __m256 silu = stored8(yr, _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+        store8(yr + i, _mm256_mul_ps(silu, load8(u + i)));
+      }
 #endif
       for (; i < I; ++i) {
         const float gf = f32(g[i]);
@@ -857,34 +1063,17 @@ void kv_write_(at::Tensor pool_k, at::Tensor pool_v, const at::Tensor& slots, co
 // next panel (without that the first pass waited on memory: ~30% slower at 32 rows). Any number of
 // rows works (SmolLM2's matrices: faster than oneDNN up to 64 float32 / 128 bfloat16 rows, on par at
 // 128 / 256; prepack.py's SMALL_GEMM_MAX_ROWS).
-#if defined(PLAIT_AVX512BW_VL)
+#if defined(PLAIT_AVX512BW_VL) || defined(PLAIT_AVX2)
 #define PLAIT_SMALL_GEMM 1
 constexpr int64_t kPanel = 32;          // output columns per panel
-constexpr int64_t kRowBlock = 12;       // rows of x per pass: 24 accumulators + 2 weights + 1 broadcast
-
-inline void store_cols(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store_cols(c10::BFloat16* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, to_bf16_bits(v));
-}
+constexpr int64_t kStreamRowsMin = 8;   // fewer rows' logits (< 1.5 MB on SmolLM2) stay in cache for the sampler
 // A bfloat16 result stored widened to float32 (the LM head's logits: no second pass to widen them).
 struct WidenedBF16 { float value; };
-inline void store_cols(WidenedBF16* p, __m512 v, __mmask16 m) {
-  _mm512_mask_storeu_ps(reinterpret_cast<float*>(p), m, stored16(static_cast<c10::BFloat16*>(nullptr), v));
-}
 // Logits of many rows (float32, bfloat16 widened), stored past the caches: the sampler reads them
 // once, later. Cached stores first read every line they write (12.6 MB a batch-64 step of SmolLM2)
 // and fill L3 with them (LM head [49152, 576], bfloat16, alone: 64 rows 5.71 -> 4.74 ms, 128 rows
 // 11.71 -> 9.65; whole batch-64 steps ~1.3 ms less).
 template <typename T> struct Streamed { float value; };
-inline void stream_cols(float* p, __m512 v, __mmask16 m) {
-  if (m == 0xFFFF && (reinterpret_cast<uintptr_t>(p) & 63) == 0) _mm512_stream_ps(p, v);
-  else _mm512_mask_storeu_ps(p, m, v);
-}
-inline void store_cols(Streamed<float>* p, __m512 v, __mmask16 m) { stream_cols(reinterpret_cast<float*>(p), v, m); }
-inline void store_cols(Streamed<c10::BFloat16>* p, __m512 v, __mmask16 m) {
-  stream_cols(reinterpret_cast<float*>(p), stored16(static_cast<c10::BFloat16*>(nullptr), v), m);
-}
-constexpr int64_t kStreamRowsMin = 8;   // fewer rows' logits (< 1.5 MB on SmolLM2) stay in cache for the sampler
 
 // `lines` cache lines from `next` on, spread evenly over a loop of `steps` iterations (`step()` once
 // each): a running sum instead of two 64-bit divisions an iteration, which had cost 9-14% at 32 rows
@@ -896,6 +1085,26 @@ struct SpreadPrefetch {
     for (acc += lines; acc >= steps; acc -= steps, next += 64) _mm_prefetch(next, _MM_HINT_T1);
   }
 };
+#endif
+
+#if defined(PLAIT_AVX512BW_VL)
+constexpr int64_t kRowBlock = 12;       // rows of x per pass: 24 accumulators + 2 weights + 1 broadcast
+
+inline void store_cols(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store_cols(c10::BFloat16* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, to_bf16_bits(v));
+}
+inline void store_cols(WidenedBF16* p, __m512 v, __mmask16 m) {
+  _mm512_mask_storeu_ps(reinterpret_cast<float*>(p), m, stored16(static_cast<c10::BFloat16*>(nullptr), v));
+}
+inline void stream_cols(float* p, __m512 v, __mmask16 m) {
+  if (m == 0xFFFF && (reinterpret_cast<uintptr_t>(p) & 63) == 0) _mm512_stream_ps(p, v);
+  else _mm512_mask_storeu_ps(p, m, v);
+}
+inline void store_cols(Streamed<float>* p, __m512 v, __mmask16 m) { stream_cols(reinterpret_cast<float*>(p), v, m); }
+inline void store_cols(Streamed<c10::BFloat16>* p, __m512 v, __mmask16 m) {
+  stream_cols(reinterpret_cast<float*>(p), stored16(static_cast<c10::BFloat16*>(nullptr), v), m);
+}
 
 // MR rows of x against one panel: 32 output columns, `cols` of them real (the last panel's may be
 // padding); bias (float32, may be null) at this panel's first column.
@@ -969,10 +1178,123 @@ void small_gemm_panels(const T* x, int64_t M, int64_t K, const T* w, const float
     }
   }
 }
+#elif defined(PLAIT_AVX2)
+// AVX2 has 16 vector registers: a pass runs a row block of x against half a panel (16 columns),
+// float32 6 rows (12 accumulators, 2 weights, 1 broadcast), bfloat16 4 rows (8 accumulators, a k
+// pair's 2 weight vectors split into 4 float32 ones by shifts, 2 broadcasts). x comes as float32
+// (bfloat16 widened once a call); bfloat16 products are exact in float32, as AVX512-BF16's are, and
+// a row's arithmetic is the same in every row block (a batch's rows equal their batch-1 results).
+// (Even and odd k in separate accumulators, 3 rows a block, so that one row's sums are 4 chains, not
+// 2 waiting on the FMA latency: no faster out of cache at 1-4 rows, 64 rows ~20% slower.)
+template <typename T> constexpr int64_t row_block() { return std::is_same_v<T, float> ? 6 : 4; }
+
+// The first n (1..8) of 8 output columns.
+inline void store_cols8(float* p, __m256 v, int64_t n) {
+  if (n == 8) _mm256_storeu_ps(p, v);
+  else _mm256_maskstore_ps(p, lanes8(n), v);
+}
+inline void store_cols8(c10::BFloat16* p, __m256 v, int64_t n) {
+  if (n == 8) return store8(p, v);
+  alignas(16) uint16_t b[8];
+  _mm_store_si128(reinterpret_cast<__m128i*>(b), to_bf16_bits8(v));
+  std::copy(b, b + n, reinterpret_cast<uint16_t*>(p));
+}
+inline void store_cols8(WidenedBF16* p, __m256 v, int64_t n) {
+  store_cols8(reinterpret_cast<float*>(p), stored8(static_cast<c10::BFloat16*>(nullptr), v), n);
+}
+inline void stream_cols8(float* p, __m256 v, int64_t n) {
+  if (n == 8 && (reinterpret_cast<uintptr_t>(p) & 31) == 0) _mm256_stream_ps(p, v);
+  else store_cols8(p, v, n);
+}
+inline void store_cols8(Streamed<float>* p, __m256 v, int64_t n) { stream_cols8(reinterpret_cast<float*>(p), v, n); }
+inline void store_cols8(Streamed<c10::BFloat16>* p, __m256 v, int64_t n) {
+  stream_cols8(reinterpret_cast<float*>(p), stored8(static_cast<c10::BFloat16*>(nullptr), v), n);
+}
+
+// MR rows of x (float32) against 16 columns of a panel (w: the half's first weight; k rows 32
+// float32 / k-pair rows 64 bfloat16 apart), `cols` (1..16) of them real; bias (may be null) at the
+// half's first column.
+template <int MR, typename T, typename O>
+inline void half_panel_rows(const float* x, int64_t K, const T* w, const float* bias, O* y, int64_t N, int64_t cols,
+                            const char* pf, int64_t pf_lines) {
+  __m256 a0[MR], a1[MR];
+  for (int m = 0; m < MR; ++m) a0[m] = a1[m] = _mm256_setzero_ps();
+  if constexpr (std::is_same<T, float>::value) {
+    SpreadPrefetch ahead{pf, pf_lines, K};
+    for (int64_t k = 0; k < K; ++k) {
+      ahead.step();
+      const __m256 w0 = _mm256_loadu_ps(w + k * kPanel), w1 = _mm256_loadu_ps(w + k * kPanel + 8);
+      for (int m = 0; m < MR; ++m) {
+        const __m256 b = _mm256_broadcast_ss(x + m * K + k);
+        a0[m] = _mm256_fmadd_ps(b, w0, a0[m]);
+        a1[m] = _mm256_fmadd_ps(b, w1, a1[m]);
+      }
+    }
+  } else {
+    const int64_t K2 = K / 2;
+    const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+    SpreadPrefetch ahead{pf, pf_lines, K2};
+    for (int64_t k = 0; k < K2; ++k) {
+      ahead.step();
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 2 * kPanel));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 2 * kPanel + 16));
+      // lane c holds (w[c, 2k], w[c, 2k + 1]): the low half as float32 by a shift, the high by a mask
+      const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, high));
+      const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, high));
+      for (int m = 0; m < MR; ++m) {
+        const __m256 be = _mm256_broadcast_ss(x + m * K + 2 * k), bo = _mm256_broadcast_ss(x + m * K + 2 * k + 1);
+        a0[m] = _mm256_fmadd_ps(bo, o0, _mm256_fmadd_ps(be, e0, a0[m]));
+        a1[m] = _mm256_fmadd_ps(bo, o1, _mm256_fmadd_ps(be, e1, a1[m]));
+      }
+    }
+  }
+  const int64_t n0 = std::min<int64_t>(8, cols), n1 = cols - n0;
+  __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+  if (bias != nullptr) {
+    b0 = _mm256_maskload_ps(bias, lanes8(n0));
+    b1 = _mm256_maskload_ps(bias + 8, lanes8(n1));
+  }
+  for (int m = 0; m < MR; ++m) {
+    store_cols8(y + m * N, _mm256_add_ps(a0[m], b0), n0);
+    if (n1 > 0) store_cols8(y + m * N + 8, _mm256_add_ps(a1[m], b1), n1);
+  }
+}
+
+// Panels [p0, p1) of P, each as two halves of 16 columns; each pass prefetches its share of the next
+// panel (also past p1: a thread's next chunk of panels usually follows).
+template <typename T, typename O>
+void small_gemm_panels(const float* x, int64_t M, int64_t K, const T* w, const float* bias, O* y, int64_t N,
+                       int64_t p0, int64_t p1, int64_t P) {
+  constexpr int64_t RB = row_block<T>();
+  const int64_t blocks = (M + RB - 1) / RB, passes = 2 * blocks;
+  const int64_t panel_lines = K * kPanel * static_cast<int64_t>(sizeof(T)) / 64;
+  const int64_t share = (panel_lines + passes - 1) / passes;
+  for (int64_t p = p0; p < p1; ++p) {
+    const T* wp = w + p * K * kPanel;
+    const int64_t cols = std::min<int64_t>(kPanel, N - p * kPanel);
+    for (int64_t h = 0; h < 2; ++h) {
+      const int64_t hc = std::min<int64_t>(16, cols - 16 * h);
+      for (int64_t b = 0; b < blocks && hc > 0; ++b) {
+        const int64_t pass = h * blocks + b, r0 = b * M / blocks, r1 = (b + 1) * M / blocks;
+        const char* pf = reinterpret_cast<const char*>(wp + K * kPanel) + 64 * share * pass;
+        const int64_t lines = p + 1 < P ? std::max<int64_t>(0, std::min(share, panel_lines - share * pass)) : 0;
+        const float* bp = bias ? bias + p * kPanel + 16 * h : nullptr;
+        const T* wh = wp + 16 * h * (std::is_same<T, float>::value ? 1 : 2);
+        O* yp = y + r0 * N + p * kPanel + 16 * h;
+        switch (r1 - r0) {
+#define PLAIT_HALF_ROWS(rows) \
+  case rows: if constexpr (rows <= RB) half_panel_rows<rows>(x + r0 * K, K, wh, bp, yp, N, hc, pf, lines); break;
+          PLAIT_HALF_ROWS(1) PLAIT_HALF_ROWS(2) PLAIT_HALF_ROWS(3) PLAIT_HALF_ROWS(4) PLAIT_HALF_ROWS(5) PLAIT_HALF_ROWS(6)
+#undef PLAIT_HALF_ROWS
+        }
+      }
+    }
+  }
+}
 #endif
 
 bool has_small_gemm(bool bf16) {
-#if defined(PLAIT_SMALL_GEMM) && defined(__AVX512BF16__)
+#if defined(PLAIT_SMALL_GEMM) && (defined(__AVX512BF16__) || defined(PLAIT_AVX2))
   return true;
 #elif defined(PLAIT_SMALL_GEMM)
   return !bf16;
@@ -998,7 +1320,7 @@ void small_gemm_into(const at::Tensor& x, const at::Tensor& w, const c10::option
   TORCH_CHECK(N > (P - 1) * 32 && N <= P * 32, "small_gemm: N does not fit the panels");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
               "small_gemm: bias must be float32 [N]");
-  TORCH_CHECK(has_small_gemm(bf16), "small_gemm: this build has no AVX-512 ", bf16 ? "BF16 " : "", "path");
+  TORCH_CHECK(has_small_gemm(bf16), "small_gemm: this build has no AVX-512", bf16 ? "-BF16" : "", " or AVX2 path");
   if (!y.defined()) y = at::empty({x.size(0), N}, widen ? x.options().dtype(at::kFloat) : x.options());
   else check_out(y, {x.size(0), N}, widen ? at::kFloat : x.scalar_type(), "small_gemm");
 #if defined(PLAIT_SMALL_GEMM)
@@ -1015,7 +1337,16 @@ void small_gemm_into(const at::Tensor& x, const at::Tensor& w, const c10::option
     });
   };
   if (bf16) {
-    const c10::BFloat16 *xp = xc.data_ptr<c10::BFloat16>(), *wp = w.data_ptr<c10::BFloat16>();
+#if defined(PLAIT_AVX2)
+    thread_local std::vector<float> widened;   // x as float32 (exact), which the AVX2 kernel broadcasts
+    float* xf = at_least(widened, M * K);
+    const c10::BFloat16* xb = xc.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xb[i]);
+    const float* xp = xf;
+#else
+    const c10::BFloat16* xp = xc.data_ptr<c10::BFloat16>();
+#endif
+    const c10::BFloat16* wp = w.data_ptr<c10::BFloat16>();
     if (stream) run(xp, wp, reinterpret_cast<Streamed<c10::BFloat16>*>(y.data_ptr<float>()));
     else if (widen) run(xp, wp, reinterpret_cast<WidenedBF16*>(y.data_ptr<float>()));
     else run(xp, wp, y.data_ptr<c10::BFloat16>());
@@ -1034,8 +1365,16 @@ at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optio
   return y;
 }
 
-// ---- activations as int16 for the VNNI GEMVs below -------------------------------------------------
+// ---- activations as int16 for the integer GEMVs below -----------------------------------------------
+// AVX512-VNNI (vpdpwssd) or AVX2 (vpmaddwd then vpaddd): int16 x int16 products summed exactly in int32.
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PLAIT_INT_GEMV 1
+#define PLAIT_INT_GEMV_512 1
+#elif defined(PLAIT_AVX2)
+#define PLAIT_INT_GEMV 1
+#endif
+
+#if defined(PLAIT_INT_GEMV_512)
 // x [M, K] -> int16 per block of B (32 or 64) along K, symmetric (scale max|x| / 32767, rounded to
 // nearest even): the codes, each block's scale and, when `xsum` is given, each block's sum of x.
 template <int B, typename T>
@@ -1065,6 +1404,38 @@ void quantize_int16_blocks(const T* x, int64_t M, int64_t K, int16_t* xq, float*
     }
   }
 }
+#elif defined(PLAIT_INT_GEMV)
+template <int B, typename T>
+void quantize_int16_blocks(const T* x, int64_t M, int64_t K, int16_t* xq, float* xs, float* xsum) {
+  constexpr int V = B / 8;
+  const int64_t blocks = K / B;
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const T* p = x + m * K + b * B;
+      __m256 v[V], amax = _mm256_setzero_ps();
+      for (int i = 0; i < V; ++i) {
+        v[i] = load8(p + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
+      }
+      const float mx = reduce_max8(amax);
+      const float s = mx > 0.f ? mx / 32767.f : 1.f;
+      const __m256 inv = _mm256_set1_ps(1.f / s);
+      int16_t* q = xq + m * K + b * B;
+      __m256 sum = _mm256_setzero_ps();
+      for (int i = 0; i < V; i += 2) {   // packs interleaves 128-bit halves; the permute puts them back in order
+        const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)), c = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], inv));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * i), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, c), 0xD8));
+        sum = _mm256_add_ps(sum, _mm256_add_ps(v[i], v[i + 1]));
+      }
+      xs[m * blocks + b] = s;
+      if (xsum != nullptr) xsum[m * blocks + b] = reduce_add8(sum);
+    }
+  }
+}
+#endif
+
+#if defined(PLAIT_INT_GEMV)
 
 // The calling thread's quantized activations: reused, grown as needed (a decode step makes ~120 GEMV
 // calls, each would otherwise allocate these three).
@@ -1104,7 +1475,7 @@ void int8_gemv_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1) && x.size(0) >= 1 && x.size(0) <= 8, "int8_gemv: x must be [1..8, K]");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == w.size(0),
               "int8_gemv: scale must be float32 [N]");
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(PLAIT_INT_GEMV)
   const at::Tensor xc = (x.scalar_type() == at::kBFloat16 ? x : x.to(at::kFloat)).contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = w.size(0), B = K / 64;
   QuantizedX& xq = quantized_x(M * K, M * B);
@@ -1122,6 +1493,7 @@ void int8_gemv_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
         const int8_t* wn = wp + n * K;
         // 4 rows ahead: the hardware prefetcher alone left it at ~35 GB/s (1 row: 0.82 -> 0.71 ms)
         for (int64_t l = 0; l < K; l += 64) _mm_prefetch(reinterpret_cast<const char*>(wn + 4 * K + l), _MM_HINT_T0);
+#if defined(PLAIT_INT_GEMV_512)
         __m512 acc[8];
         for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
         for (int64_t b = 0; b < B; ++b) {
@@ -1135,13 +1507,29 @@ void int8_gemv_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
           }
         }
         for (int64_t m = 0; m < M; ++m) yp[m * N + n] = _mm512_reduce_add_ps(acc[m]) * sp[n];
+#else
+        __m256 acc[8];
+        for (int64_t m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < B; ++b) {
+          __m256i wv[4];
+          for (int i = 0; i < 4; ++i)
+            wv[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wn + b * 64 + 16 * i)));
+          for (int64_t m = 0; m < M; ++m) {
+            const __m256i* xb = reinterpret_cast<const __m256i*>(xp + m * K + b * 64);
+            __m256i dot = _mm256_madd_epi16(_mm256_loadu_si256(xb), wv[0]);
+            for (int i = 1; i < 4; ++i) dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_loadu_si256(xb + i), wv[i]));
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(sxp[m * B + b]), acc[m]);
+          }
+        }
+        for (int64_t m = 0; m < M; ++m) yp[m * N + n] = reduce_add8(acc[m]) * sp[n];
+#endif
       }
     });
   };
   if (y.scalar_type() == at::kBFloat16) run(y.data_ptr<c10::BFloat16>());
   else run(y.data_ptr<float>());
 #else
-  TORCH_CHECK(false, "int8_gemv: this build has no AVX512-VNNI");
+  TORCH_CHECK(false, "int8_gemv: this build has no AVX512-VNNI or AVX2");
 #endif
 }
 
@@ -1163,9 +1551,12 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // nibble) and 4s + 2 + i%2 (high nibble); then d[16] and mn[16] as fp16: 320 bytes per 512 weights,
 // streamed front to back. torch's int4 kernel (float32 FMAs on converted codes) is compute-bound
 // here; this is 3 instructions per 64 weights plus one dot product per 32 per row of x.
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(PLAIT_INT_GEMV)
 #define PLAIT_INT4_GEMV 1
 constexpr int64_t kInt4GroupBytes = 320;
+#endif
+
+#if defined(PLAIT_INT_GEMV_512)
 
 template <int M, typename O>
 void int4_gemv_blocks(const int16_t* xq, const float* xs, const float* xsum, const uint8_t* w, const float* bias,
@@ -1210,6 +1601,59 @@ void int4_gemv_blocks(const int16_t* xq, const float* xs, const float* xsum, con
     for (int m = 0; m < M; ++m) store16(y + m * N + b * 16, _mm512_add_ps(acc[m], bv));
   }
 }
+#elif defined(PLAIT_INT4_GEMV)
+// AVX2: a block's 16 rows as two halves of 8 (bytes 0-15 of each 32-byte chunk are rows 0-7, and
+// d, mn's first 8 values), one vector each; the codes widened to int16, vpmaddwd for the products,
+// both nibbles' products summed into one int32 accumulator (exact: the same sums). Each x pair is
+// broadcast once for both halves (the halves in separate passes had the compiler keep all 16
+// broadcasts of a group live and spill them: 9 GB/s at one row).
+template <int M, typename O>
+void int4_gemv_blocks(const int16_t* xq, const float* xs, const float* xsum, const uint8_t* w, const float* bias,
+                      int64_t K, int64_t b0, int64_t b1, O* y, int64_t N) {
+  const int64_t G = K / 32;
+  const __m256i low4 = _mm256_set1_epi16(0x000F);
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* wb = w + b * G * kInt4GroupBytes;
+    __m256 acc[2][M];
+    for (int h = 0; h < 2; ++h)
+      for (int m = 0; m < M; ++m) acc[h][m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* wg = wb + g * kInt4GroupBytes;
+      for (int l = 0; l < 5; ++l) _mm_prefetch(reinterpret_cast<const char*>(wg + 8 * kInt4GroupBytes + 64 * l), _MM_HINT_T0);
+      __m256i dot[2][M];
+      for (int h = 0; h < 2; ++h)
+        for (int m = 0; m < M; ++m) dot[h][m] = _mm256_setzero_si256();
+      for (int s = 0; s < 8; ++s) {
+        const __m256i v0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + s * 32)));
+        const __m256i v1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + s * 32 + 16)));
+        const __m256i lo0 = _mm256_and_si256(v0, low4), hi0 = _mm256_srli_epi16(v0, 4);
+        const __m256i lo1 = _mm256_and_si256(v1, low4), hi1 = _mm256_srli_epi16(v1, 4);
+        for (int m = 0; m < M; ++m) {   // x[4s + {0,1}] with the low nibbles, x[4s + {2,3}] with the high ones
+          const int32_t* xp = reinterpret_cast<const int32_t*>(xq + m * K + g * 32 + s * 4);
+          const __m256i xl = _mm256_set1_epi32(xp[0]), xh = _mm256_set1_epi32(xp[1]);
+          dot[0][m] = _mm256_add_epi32(dot[0][m], _mm256_add_epi32(_mm256_madd_epi16(lo0, xl), _mm256_madd_epi16(hi0, xh)));
+          dot[1][m] = _mm256_add_epi32(dot[1][m], _mm256_add_epi32(_mm256_madd_epi16(lo1, xl), _mm256_madd_epi16(hi1, xh)));
+          // the sums in this order: else GCC reassociates them (exact either way) into a tree over all
+          // 8 chunks' products and spills them (33 live vectors; SmolLM2's 120 int4 matrices, 1 row,
+          // alternating: min 6.24 vs 7.10 ms, not unrolling at all 6.41)
+          asm volatile("" : "+x"(dot[0][m]), "+x"(dot[1][m]));
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 256 + 16 * h)));
+        const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 288 + 16 * h)));
+        for (int m = 0; m < M; ++m) {
+          acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[h][m]), _mm256_mul_ps(d, _mm256_set1_ps(xs[m * G + g])), acc[h][m]);
+          acc[h][m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xsum[m * G + g]), acc[h][m]);
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 bv = bias ? _mm256_loadu_ps(bias + b * 16 + 8 * h) : _mm256_setzero_ps();
+      for (int m = 0; m < M; ++m) store8(y + m * N + b * 16 + 8 * h, _mm256_add_ps(acc[h][m], bv));
+    }
+  }
+}
 #endif
 
 // y: contiguous [M, N] in x's dtype; made here when undefined.
@@ -1250,7 +1694,7 @@ void int4_gemv_into(const at::Tensor& x, const at::Tensor& w, const c10::optiona
   if (x.scalar_type() == at::kBFloat16) run(y.data_ptr<c10::BFloat16>());
   else run(y.data_ptr<float>());
 #else
-  TORCH_CHECK(false, "int4_gemv: this build has no AVX512-VNNI");
+  TORCH_CHECK(false, "int4_gemv: this build has no AVX512-VNNI or AVX2");
 #endif
 }
 
@@ -1260,8 +1704,8 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const c10::option
   return y;
 }
 
-bool has_vnni() {
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+bool has_int_gemv() {
+#if defined(PLAIT_INT_GEMV)
   return true;
 #else
   return false;
@@ -1346,6 +1790,32 @@ int64_t argmax_row(const float* x, int64_t n) {
     _mm512_store_si512(mi, vidx);
     bv = mv[0], best = mi[0];
     for (int l = 1; l < 16; ++l) {
+      if (mv[l] > bv || (mv[l] == bv && mi[l] < best)) bv = mv[l], best = mi[l];
+    }
+  }
+#elif defined(PLAIT_AVX2)
+  if (n >= 8) {
+    __m256 vmax = _mm256_loadu_ps(x);
+    __m256i vidx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), cur = vidx;
+    const __m256i step = _mm256_set1_epi32(8);
+    __m256 nan = _mm256_cmp_ps(vmax, vmax, _CMP_UNORD_Q);
+    for (i = 8; i + 8 <= n; i += 8) {
+      cur = _mm256_add_epi32(cur, step);
+      const __m256 v = _mm256_loadu_ps(x + i);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      const __m256 gt = _mm256_cmp_ps(v, vmax, _CMP_GT_OQ);   // strictly greater: first index kept
+      vmax = _mm256_blendv_ps(vmax, v, gt);
+      vidx = _mm256_blendv_epi8(vidx, cur, _mm256_castps_si256(gt));
+    }
+    if (_mm256_movemask_ps(nan)) {   // rare: the first NaN, found by the scalar loop
+      for (int64_t j = 0; j < n; ++j) if (std::isnan(x[j])) return j;
+    }
+    alignas(32) float mv[8];
+    alignas(32) int32_t mi[8];
+    _mm256_store_ps(mv, vmax);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(mi), vidx);
+    bv = mv[0], best = mi[0];
+    for (int l = 1; l < 8; ++l) {
       if (mv[l] > bv || (mv[l] == bv && mi[l] < best)) bv = mv[l], best = mi[l];
     }
   }
@@ -1480,7 +1950,7 @@ TORCH_LIBRARY(plait_cpu, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("mirror_steady_(Tensor(a!) ids, Tensor(b!) stamps, Tensor(c!) lens, Tensor slot_stamp, Tensor kv, Tensor pre, "
         "Tensor targets, int clock, int kv_heads) -> Tensor");
-  m.def("has_vnni() -> bool");
+  m.def("has_int_gemv() -> bool");
   m.def("shares_coverage(int n, int min_share, int chunk, int slow_us) -> Tensor");
   m.def("has_small_gemm(bool bf16) -> bool");
   m.def("decode_layers_(Tensor(a!) x, Tensor[] weights, int[] kinds, Tensor cos, Tensor sin, "
@@ -1492,7 +1962,7 @@ TORCH_LIBRARY(plait_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(plait_cpu, CompositeExplicitAutograd, m) {
-  m.impl("has_vnni", &has_vnni);
+  m.impl("has_int_gemv", &has_int_gemv);
   m.impl("shares_coverage", &shares_coverage);
   m.impl("has_small_gemm", &has_small_gemm);
 }
