@@ -1179,14 +1179,16 @@ void small_gemm_panels(const T* x, int64_t M, int64_t K, const T* w, const float
   }
 }
 #elif defined(PLAIT_AVX2)
-// AVX2 has 16 vector registers: a pass runs a row block of x against half a panel (16 columns),
-// float32 6 rows (12 accumulators, 2 weights, 1 broadcast), bfloat16 4 rows (8 accumulators, a k
-// pair's 2 weight vectors split into 4 float32 ones by shifts, 2 broadcasts). x comes as float32
-// (bfloat16 widened once a call); bfloat16 products are exact in float32, as AVX512-BF16's are, and
-// a row's arithmetic is the same in every row block (a batch's rows equal their batch-1 results).
-// (Even and odd k in separate accumulators, 3 rows a block, so that one row's sums are 4 chains, not
-// 2 waiting on the FMA latency: no faster out of cache at 1-4 rows, 64 rows ~20% slower.)
-template <typename T> constexpr int64_t row_block() { return std::is_same_v<T, float> ? 6 : 4; }
+// AVX2 has 16 vector registers: a pass runs up to 6 rows of x against half a panel (16 columns): 12
+// accumulators, 2 weights (a bfloat16 k pair's weights split into float32 by a shift and a mask,
+// 8 columns at a time) and the broadcasts. x comes as float32 (bfloat16 widened once a call);
+// bfloat16 products are exact in float32, as AVX512-BF16's are, and each accumulator takes k in
+// order, so a row's arithmetic is the same in every row block (a batch's rows equal their batch-1
+// results). bfloat16 at 6 rows (each k pair's weights converted once per half, then all rows) rather
+// than 4 (both halves' weights live): SmolLM2's 120 matrices, 32 rows, 76 -> 89 GFLOP/s (min, arms
+// alternating). (Even and odd k in separate accumulators, 3 rows a block, so that one row's sums are
+// 4 chains, not 2 waiting on the FMA latency: no faster out of cache at 1-4 rows, 64 rows ~20% slower.)
+constexpr int64_t kRowBlock8 = 6;
 
 // The first n (1..8) of 8 output columns.
 inline void store_cols8(float* p, __m256 v, int64_t n) {
@@ -1236,16 +1238,16 @@ inline void half_panel_rows(const float* x, int64_t K, const T* w, const float* 
     SpreadPrefetch ahead{pf, pf_lines, K2};
     for (int64_t k = 0; k < K2; ++k) {
       ahead.step();
-      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 2 * kPanel));
-      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 2 * kPanel + 16));
+      const float* xk = x + 2 * k;
       // lane c holds (w[c, 2k], w[c, 2k + 1]): the low half as float32 by a shift, the high by a mask
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 2 * kPanel));
       const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, high));
+      for (int m = 0; m < MR; ++m)
+        a0[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk + m * K + 1), o0, _mm256_fmadd_ps(_mm256_broadcast_ss(xk + m * K), e0, a0[m]));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 2 * kPanel + 16));
       const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, high));
-      for (int m = 0; m < MR; ++m) {
-        const __m256 be = _mm256_broadcast_ss(x + m * K + 2 * k), bo = _mm256_broadcast_ss(x + m * K + 2 * k + 1);
-        a0[m] = _mm256_fmadd_ps(bo, o0, _mm256_fmadd_ps(be, e0, a0[m]));
-        a1[m] = _mm256_fmadd_ps(bo, o1, _mm256_fmadd_ps(be, e1, a1[m]));
-      }
+      for (int m = 0; m < MR; ++m)
+        a1[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk + m * K + 1), o1, _mm256_fmadd_ps(_mm256_broadcast_ss(xk + m * K), e1, a1[m]));
     }
   }
   const int64_t n0 = std::min<int64_t>(8, cols), n1 = cols - n0;
@@ -1260,35 +1262,45 @@ inline void half_panel_rows(const float* x, int64_t K, const T* w, const float* 
   }
 }
 
-// Panels [p0, p1) of P, each as two halves of 16 columns; each pass prefetches its share of the next
-// panel (also past p1: a thread's next chunk of panels usually follows).
+// All M rows against one panel (wp), its `cols` real columns, as two halves of 16 columns; each pass
+// prefetches its share of `next` (`next_lines` cache lines; null: none).
+template <typename T, typename O>
+void panel_passes(const float* x, int64_t M, int64_t K, const T* wp, const char* next, int64_t next_lines,
+                  const float* bias, O* y, int64_t N, int64_t cols) {
+  const int64_t blocks = (M + kRowBlock8 - 1) / kRowBlock8, passes = 2 * blocks;
+  const int64_t share = (next_lines + passes - 1) / passes;
+  for (int64_t h = 0; h < 2; ++h) {
+    const int64_t hc = std::min<int64_t>(16, cols - 16 * h);
+    for (int64_t b = 0; b < blocks && hc > 0; ++b) {
+      const int64_t pass = h * blocks + b, r0 = b * M / blocks, r1 = (b + 1) * M / blocks;
+      const char* pf = next + 64 * share * pass;
+      const int64_t lines = next != nullptr ? std::max<int64_t>(0, std::min(share, next_lines - share * pass)) : 0;
+      const float* bp = bias ? bias + 16 * h : nullptr;
+      const T* wh = wp + 16 * h * (std::is_same<T, float>::value ? 1 : 2);
+      O* yp = y + r0 * N + 16 * h;
+      switch (r1 - r0) {
+#define PLAIT_HALF_ROWS(rows) \
+  case rows: half_panel_rows<rows>(x + r0 * K, K, wh, bp, yp, N, hc, pf, lines); break;
+        PLAIT_HALF_ROWS(1) PLAIT_HALF_ROWS(2) PLAIT_HALF_ROWS(3) PLAIT_HALF_ROWS(4) PLAIT_HALF_ROWS(5) PLAIT_HALF_ROWS(6)
+#undef PLAIT_HALF_ROWS
+      }
+    }
+  }
+}
+
+// Panels [p0, p1) of P; each prefetches the next one (also past p1: a thread's next chunk of panels
+// usually follows). (Widening a bfloat16 panel to float32 once for all row blocks, into L2, and running
+// the float32 kernel on it was 2x slower than converting in registers: SmolLM2's 120 matrices, 12 to
+// 128 rows, 50-59 vs 87-112 GFLOP/s.)
 template <typename T, typename O>
 void small_gemm_panels(const float* x, int64_t M, int64_t K, const T* w, const float* bias, O* y, int64_t N,
                        int64_t p0, int64_t p1, int64_t P) {
-  constexpr int64_t RB = row_block<T>();
-  const int64_t blocks = (M + RB - 1) / RB, passes = 2 * blocks;
   const int64_t panel_lines = K * kPanel * static_cast<int64_t>(sizeof(T)) / 64;
-  const int64_t share = (panel_lines + passes - 1) / passes;
   for (int64_t p = p0; p < p1; ++p) {
     const T* wp = w + p * K * kPanel;
-    const int64_t cols = std::min<int64_t>(kPanel, N - p * kPanel);
-    for (int64_t h = 0; h < 2; ++h) {
-      const int64_t hc = std::min<int64_t>(16, cols - 16 * h);
-      for (int64_t b = 0; b < blocks && hc > 0; ++b) {
-        const int64_t pass = h * blocks + b, r0 = b * M / blocks, r1 = (b + 1) * M / blocks;
-        const char* pf = reinterpret_cast<const char*>(wp + K * kPanel) + 64 * share * pass;
-        const int64_t lines = p + 1 < P ? std::max<int64_t>(0, std::min(share, panel_lines - share * pass)) : 0;
-        const float* bp = bias ? bias + p * kPanel + 16 * h : nullptr;
-        const T* wh = wp + 16 * h * (std::is_same<T, float>::value ? 1 : 2);
-        O* yp = y + r0 * N + p * kPanel + 16 * h;
-        switch (r1 - r0) {
-#define PLAIT_HALF_ROWS(rows) \
-  case rows: if constexpr (rows <= RB) half_panel_rows<rows>(x + r0 * K, K, wh, bp, yp, N, hc, pf, lines); break;
-          PLAIT_HALF_ROWS(1) PLAIT_HALF_ROWS(2) PLAIT_HALF_ROWS(3) PLAIT_HALF_ROWS(4) PLAIT_HALF_ROWS(5) PLAIT_HALF_ROWS(6)
-#undef PLAIT_HALF_ROWS
-        }
-      }
-    }
+    const char* next = p + 1 < P ? reinterpret_cast<const char*>(wp + K * kPanel) : nullptr;
+    panel_passes(x, M, K, wp, next, panel_lines, bias ? bias + p * kPanel : nullptr, y + p * kPanel, N,
+                 std::min<int64_t>(kPanel, N - p * kPanel));
   }
 }
 #endif
