@@ -7,7 +7,7 @@ dot products; `prepack.py`);
 `int8_gemv`, AVX512-VNNI int8 layers and LM head, and `int4_gemv`, int4 (GGUF Q4_1) layers at decode's few
 rows on int16 activations, also by VNNI (`quantization.py`). On a CPU with AVX2 but no AVX-512 (AMD before
 Zen 4, Intel client cores) each of these has an 8-wide AVX2 path (small_gemm: half panels of 16 columns,
-6 float32 / 4 bfloat16 rows, bfloat16 weights widened by shifts; the integer GEMVs by vpmaddwd), so the
+6 rows of x a pass, bfloat16 weights widened by shifts; the integer GEMVs by vpmaddwd), so the
 same kernels run there (oneDNN has no bfloat16 path on such a CPU: `prepack.onednn_takes`); `decode_layers_`, a steady decode step's
 decoder layers in one op (the same kernels as the layer loop, in its order: models/llama.py);
 `mirror_steady_`, the decode mirror's book-keeping for such a step (decode_mirror.py); `argmax_rows`,
