@@ -5,7 +5,8 @@ of 3-10 aten ops; `small_gemm`, the float32 / bfloat16 projections at decode's b
 (weights in panels of 32 output columns, 12 rows of x against a panel at a time, bfloat16 by AVX512-BF16
 dot products; `prepack.py`);
 `int8_gemv`, AVX512-VNNI int8 layers and LM head, and `int4_gemv`, int4 (GGUF Q4_1) layers at decode's few
-rows on int16 activations, also by VNNI (`quantization.py`). On a CPU with AVX2 but no AVX-512 (AMD before
+rows on int16 activations, also by VNNI (`quantization.py`); where the CPU has no bfloat16 dot products,
+`int4_gemv` takes every row count and `int8_rows` (AVX2) int8's many rows, instead of a bfloat16 copy. On a CPU with AVX2 but no AVX-512 (AMD before
 Zen 4, Intel client cores) each of these has an 8-wide AVX2 path (small_gemm: half panels of 16 columns,
 6 rows of x a pass, bfloat16 weights widened by shifts; the integer GEMVs by vpmaddwd), so the
 same kernels run there (oneDNN has no bfloat16 path on such a CPU: `prepack.onednn_takes`); `decode_layers_`, a steady decode step's
@@ -185,9 +186,31 @@ def int8_gemv_available() -> bool:
 
 
 def int4_gemv_available() -> bool:
-    """Whether `torch.ops.plait_cpu.int4_gemv` (int4 weights packed by `int4_gemv_pack`, 1-8 rows)
+    """Whether `torch.ops.plait_cpu.int4_gemv` (int4 weights packed by `int4_gemv_pack`, any rows)
     runs here: the same condition as `int8_gemv`'s."""
     return int8_gemv_available()
+
+
+def int4_gemv_all_rows() -> bool:
+    """Whether `int4_gemv` beats a bfloat16 copy of the weights at every row count here, not only at
+    decode's few: where it runs and the CPU has no bfloat16 dot products (AVX512-BF16, AMX)."""
+    return int4_gemv_available() and bool(torch.ops.plait_cpu.int4_gemv_all_rows())
+
+
+def int8_rows_available() -> bool:
+    """Whether `torch.ops.plait_cpu.int8_rows` (int8 weights packed by `int8_rows_pack`, any rows)
+    runs here: kernels built for a CPU with AVX2 and no AVX-512 (there int8_gemv and the bfloat16
+    copy serve)."""
+    return _state.get("ok", False) is True and bool(torch.ops.plait_cpu.has_int8_rows())
+
+
+def int8_rows_pack(q: torch.Tensor) -> torch.Tensor:
+    """int8 weights `[N, K]` (N a multiple of 16, K of 64) in `int8_rows`' layout: `[N/16, K/2, 32]`,
+    per block of 16 outputs and pair of k, output i's two weights at bytes 2i, 2i + 1."""
+    n, k = q.shape
+    if n % 16 or k % 64:
+        raise ValueError(f"int8_rows_pack: N ({n}) must be a multiple of 16 and K ({k}) of 64")
+    return q.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32).contiguous()
 
 
 def small_gemm_available(dtype: torch.dtype) -> bool:

@@ -45,10 +45,16 @@ logits of benchmarks/quality.py's text: int4 0.0017, int8 0.0050; perplexity 24.
   float32 over 48 decode steps of the quality text: 0.00107 vs 0.00121 (torch's kernel, bfloat16
   activations and scales). Without either, torch's `_weight_int4pack_mm_for_cpu` with bfloat16
   activations (float32 ones are ~20x slower) up to 9 rows. From there on the bfloat16 copy of the
-  dequantized weight, as int8 does (whole-step figures at `_INT4PACK_MAX_ROWS`). Both
-  kernels need N % 16 == 0 (else the bf16 copy serves every row); a layer whose K is not a
-  multiple of 32 is int8 instead. So int4 on the CPU holds 3.25 bytes a weight (codes and scales, the kernel's
-  layout, the bf16 copy), 0.625 of them read at batch 1.
+  dequantized weight, as int8 does (whole-step figures at `_INT4PACK_MAX_ROWS`) - except on a CPU
+  without bfloat16 dot products (AVX2, AVX-512 without BF16: `cpu_kernels.int4_gemv_all_rows`),
+  where `int4_gemv` takes every row count, 8 rows of x at a time over each ~32 KB of weights while
+  it is in L1/L2 (SmolLM2's 120 matrices on the AVX2 Zen 3, bfloat16 x, GFLOP/s: 16 rows 203 vs the
+  copy's small_gemm 114, 32 rows 205-214 vs 116-122, 256 rows 206 vs 119; whole bf16+int4 decode
+  steps, 128-token prompts, batch 32: 88.9 -> 58.1 ms median, prefill 463 -> 713 tok/s), and no
+  bfloat16 copy is made. Both kernels need N % 16 == 0 (else the bf16 copy serves every row); a
+  layer whose K is not a multiple of 32 is int8 instead. So int4 on the CPU holds 3.25 bytes a
+  weight (codes and scales, the kernel's layout, the bf16 copy; 1.25 without the copy), 0.625 of
+  them read at batch 1.
 - `dequant`: dequantize then `F.linear`; other devices and torch builds without the kernel.
 
 The LM head stays int8 with `int4`: it is the matrix whose error lands on the logits directly,
@@ -59,7 +65,12 @@ agreement with float32 from 97% to 81%, for 3.7 ms less per batch-1 step (the he
 `cpu_kernels` `int8_gemv` (`Int8Linear.use_vnni_gemv`): activations as int16 in blocks of 64, exact
 int32 dot products, float32 logits. Measured on SmolLM2's head [49152, 576], 2 threads: 1 row
 1.05 vs 2.87 ms (`_weight_int8pack_mm`), 3 rows 1.6 vs 3.5; on 242 positions of the quality text,
-KL to the float32 head 0.00096 vs 0.00165 with bfloat16 activations.
+KL to the float32 head 0.00096 vs 0.00165 with bfloat16 activations. Past 8 rows, on a CPU with AVX2 and no
+AVX-512, int8 layers and head go through `cpu_kernels` `int8_rows` (`Int8Linear.use_vnni_gemv`):
+the same int16 activations and int32 block sums, with the weight packed so that 16 outputs share a
+vector (no horizontal sum per output), 6 rows of x a pass; the head [49152, 576], GFLOP/s: 9 rows
+175-180 vs the bfloat16 copy's 94, 32 rows 170-172 vs 110-114, 64 rows 169 vs 121 (int8_gemv past 8
+rows: 104-107). The bfloat16 copy is then dropped.
 
 `fp8` (CUDA only, compute capability >= 9.0): float8 e4m3 weights with per-row scales and
 per-token activation scales through `torch._scaled_mm`; other GPUs fall back to int8 dequant.
@@ -88,7 +99,9 @@ _INT8PACK_MAX_ROWS = 4   # CPU: from this many rows, the bf16 copy of the dequan
 # 31.4, 8 30.2-33.3 vs 34.3-38.2, 12 52.0 vs 52.3, 16 46.8 vs 43.1, 32 81.2 vs 62.1.
 _INT4PACK_MAX_ROWS = 10
 _INT4PACK_GROUP_SIZES = (32, 64, 128, 256)   # what torch's CPU int4 kernel accepts
-_INT4_GEMV_MAX_ROWS = 8   # cpu_kernels.int4_gemv (AVX512-VNNI or AVX2) takes 1..8 rows
+# cpu_kernels.int4_gemv (AVX512-VNNI or AVX2) up to this many rows; past them the bf16 copy, except
+# where int4_gemv_all_rows() (no bf16 dot products): there int4_gemv takes every row count
+_INT4_GEMV_MAX_ROWS = 8
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,21 +194,30 @@ class Int8Linear(_WeightOnlyLinear):
                              persistent=False)
         self.packed_bf16 = self._pack_bf16() if self.kernel == "int8pack" else None
         self.vnni_gemv = False   # set by use_vnni_gemv()
+        self.packed_rows: torch.Tensor | None = None   # int8_rows' layout, set by use_vnni_gemv()
 
     def use_vnni_gemv(self) -> bool:
         """From here on, up to 8 rows go through `cpu_kernels.int8_gemv` (activations as int16 in
-        blocks of 64, AVX512-VNNI or AVX2 int16 x int8 dot products, float32 out) where it runs; False
-        where it does not (the weight-only kernels stay)."""
+        blocks of 64, AVX512-VNNI or AVX2 int16 x int8 dot products, float32 out) where it runs, and
+        more rows through `cpu_kernels.int8_rows` where that runs (AVX2 without AVX-512: there it is
+        faster than the bfloat16 copy, which is then dropped); False where neither does (the
+        weight-only kernels stay)."""
         from . import cpu_kernels
         self.vnni_gemv = (self.kernel == "int8pack" and self.bias is None and self.in_features % 64 == 0
                           and self.qweight.device.type == "cpu" and cpu_kernels.int8_gemv_available())
+        if self.vnni_gemv and self.out_features % 16 == 0 and cpu_kernels.int8_rows_available():
+            self.packed_rows = cpu_kernels.int8_rows_pack(self.qweight)
+            self.packed_bf16 = None
         return self.vnni_gemv
 
     def decode_kernel(self, rows: int, dtype: torch.dtype) -> tuple | None:
         """What `forward` runs for `rows` rows of `dtype`, as `cpu_kernels.decode_layers_` takes it
-        (kind 2 = int8_gemv, weight, scales, out_features); None where it is none of its kernels."""
+        (kind 2 = int8_gemv, weight, scales, out_features; kind 3 = int8_rows, its packed weight,
+        scales, out_features); None where it is none of its kernels."""
         if self._vnni_takes(rows):
             return 2, self.qweight, self.scale, self.out_features
+        if self._rows_takes(rows):
+            return 3, self.packed_rows, self.scale, self.out_features
         return self._copy_kernel(rows, dtype) if self.kernel == "int8pack" and rows >= _INT8PACK_MAX_ROWS else None
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -206,6 +228,10 @@ class Int8Linear(_WeightOnlyLinear):
         """Whether `int8_gemv` runs these rows (`forward` and `decode_kernel` agree through this)."""
         return self.vnni_gemv and 1 <= rows <= 8
 
+    def _rows_takes(self, rows: int) -> bool:
+        """Whether `int8_rows` runs these rows (past int8_gemv's)."""
+        return self.packed_rows is not None and rows > 8
+
     widens = True   # forward takes `widen`
 
     def forward(self, x: torch.Tensor, widen: bool = False) -> torch.Tensor:
@@ -214,6 +240,9 @@ class Int8Linear(_WeightOnlyLinear):
         if x.dim() == 2 and self._vnni_takes(x.shape[0]):
             y = torch.ops.plait_cpu.int8_gemv(x, self.qweight, self.scale)   # float32 out
             return y if widen else self._output(x, y)
+        if self._rows_takes(_rows(x).shape[0]):
+            y = torch.ops.plait_cpu.int8_rows(_rows(x), self.packed_rows, self.scale)   # float32 out
+            return y if widen and x.dim() == 2 else self._output(x, y)
         x2 = _rows(x)
         if self.kernel == "int8pack" and x2.shape[0] < _INT8PACK_MAX_ROWS:
             y = torch._weight_int8pack_mm(_bf16_contiguous(x2), self.qweight, self.scale_bf16)
@@ -286,7 +315,8 @@ class Int4Linear(_WeightOnlyLinear):
     The weight is held as 4-bit codes plus one (scale, minimum) pair per group in float16, Q4_1's
     own form: `W[n, k] = q[n, k] * scale[n, g] + minimum[n, g]` (for a model read from a Q4_1 GGUF,
     the file's weights exactly). Kernels: `int4pack` (CPU) runs `cpu_kernels.int4_gemv` (int16
-    activations, AVX512-VNNI or AVX2) up to `_INT4_GEMV_MAX_ROWS` rows; where that kernel does not run,
+    activations, AVX512-VNNI or AVX2) up to `_INT4_GEMV_MAX_ROWS` rows (every row count where
+    `cpu_kernels.int4_gemv_all_rows()`: no bfloat16 copy then); where that kernel does not run,
     torch's `_weight_int4pack_mm_for_cpu` (bfloat16 activations and bfloat16 scales, at most ~1.6%
     of a quantization step away) below `_INT4PACK_MAX_ROWS` rows; from there on a bfloat16 copy
     of W (`small_gemm` panels, else oneDNN's; neither int4 kernel reuses a weight across rows). Both kernels need N % 16 == 0,
@@ -313,6 +343,8 @@ class Int4Linear(_WeightOnlyLinear):
         self.register_buffer("packed_gemv", cpu_kernels.int4_gemv_pack(q, scale, minimum) if use_gemv else None,
                              persistent=False)
         self.gemv_bias = None if bias is None or not use_gemv else bias.detach().float().contiguous()
+        # where int4_gemv is the fastest at every row count, it takes them all (and no bf16 copy is kept)
+        self.gemv_all_rows = use_gemv and cpu_kernels.int4_gemv_all_rows()
         # torch's int4 kernel only where ours does not run (not a third copy of the weight)
         use_int4mm = on_cpu and not use_gemv and group_size in _INT4PACK_GROUP_SIZES
         self.register_buffer("packed_int4", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -321,7 +353,7 @@ class Int4Linear(_WeightOnlyLinear):
         zeros = minimum.float() + 8 * scale.float()
         self.register_buffer("scales_and_zeros", torch.stack([scale.float(), zeros], dim=-1).transpose(0, 1)
                              .to(torch.bfloat16).contiguous() if use_int4mm else None, persistent=False)
-        self.packed_bf16 = self._pack_bf16() if self.kernel == "int4pack" else None
+        self.packed_bf16 = self._pack_bf16() if self.kernel == "int4pack" and not self.gemv_all_rows else None
 
     def decode_kernel(self, rows: int, dtype: torch.dtype) -> tuple | None:
         """What `forward` runs for `rows` rows of `dtype`, as `cpu_kernels.decode_layers_` takes it
@@ -335,7 +367,7 @@ class Int4Linear(_WeightOnlyLinear):
 
     # which rows each kernel runs (`forward` and `decode_kernel` agree through these)
     def _gemv_takes(self, rows: int) -> bool:
-        return self.packed_gemv is not None and 1 <= rows <= _INT4_GEMV_MAX_ROWS
+        return self.packed_gemv is not None and rows >= 1 and (rows <= _INT4_GEMV_MAX_ROWS or self.gemv_all_rows)
 
     def _int4mm_takes(self, rows: int) -> bool:
         return self.packed_int4 is not None and rows < _INT4PACK_MAX_ROWS

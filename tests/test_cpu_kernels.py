@@ -226,7 +226,7 @@ def test_kv_write_rejects_out_of_range_slots():
         cpu_kernels.kv_write_(pool, pool.clone(), torch.tensor([4]), k, k)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 19])   # past 8: blocks of 8 rows, then the rest
 @pytest.mark.parametrize("x_dtype", DTYPES)
 def test_int8_gemv_is_the_exact_product_up_to_int16_activations(rows, x_dtype):
     if not cpu_kernels.int8_gemv_available():
@@ -241,6 +241,29 @@ def test_int8_gemv_is_the_exact_product_up_to_int16_activations(rows, x_dtype):
     assert ((got.double() - ref).abs().max() / ref.abs().max()) < 1e-4   # bfloat16 activations: ~4e-3
 
 
+@pytest.mark.parametrize("rows", [1, 6, 9, 33])   # blocks of 6 rows, then the rest
+@pytest.mark.parametrize("x_dtype", DTYPES)
+def test_int8_rows_is_int8_gemv_in_another_layout(rows, x_dtype):
+    if not cpu_kernels.int8_rows_available():
+        pytest.skip("int8_rows: AVX2 without AVX-512 only")
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randint(-127, 128, (96, 640), dtype=torch.int8, generator=g)
+    scale = torch.rand(96, generator=g) / 50
+    x = (torch.randn(rows, 640, generator=g) * torch.rand(640, generator=g) * 10).to(x_dtype)
+    packed = cpu_kernels.int8_rows_pack(w)
+    assert packed.shape == (6, 320, 32) and torch.equal(packed[1, 3, 4:6], w[18, 6:8])   # output 16 + 2, k 6-7
+    got = torch.ops.plait_cpu.int8_rows(x, packed, scale)
+    ref = (x.double() @ w.double().t()) * scale.double()
+    assert got.dtype == torch.float32 and got.shape == (rows, 96)
+    assert ((got.double() - ref).abs().max() / ref.abs().max()) < 1e-4   # int16 activations, as int8_gemv
+    # the same int32 block sums as int8_gemv's: equal up to float32 summation order
+    torch.testing.assert_close(got, torch.ops.plait_cpu.int8_gemv(x, w, scale), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    with pytest.raises(RuntimeError, match=r"\[M >= 1, K\]"):
+        torch.ops.plait_cpu.int8_rows(x[:, :64], packed, scale)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu_kernels.int8_rows_pack(w[:40])
+
+
 def test_int8_linear_vnni_gemv_rows():
     from plait.runtime.quantization import Int8Linear
     lin = Int8Linear(torch.randn(256, 128), None)
@@ -252,7 +275,13 @@ def test_int8_linear_vnni_gemv_rows():
     ref = x @ lin.dequantized().t()
     assert got.dtype == torch.float32
     assert (got - ref).abs().max() < 0.1 * (weight_only - ref).abs().max()   # closer than bf16 activations
-    assert lin(torch.randn(9, 128)).shape == (9, 256)   # 9 rows: the weight-only path
+    many = torch.randn(9, 128)   # 9 rows: int8_rows where it runs (the bf16 copy then dropped), else weight-only
+    assert (lin.packed_rows is not None) == cpu_kernels.int8_rows_available() and \
+        (lin.packed_bf16 is None) == (lin.packed_rows is not None)
+    if lin.packed_rows is not None:
+        ref9 = many @ lin.dequantized().t()
+        assert (lin(many) - ref9).abs().max() < 1e-4 * ref9.abs().max()
+    assert lin(many).shape == (9, 256) and lin(many.reshape(3, 3, 128)).shape == (3, 3, 256)
     assert lin(torch.randn(0, 128)).shape == (0, 256)   # no rows (a step with no logits to take)
 
 
@@ -305,7 +334,7 @@ def _int4_weight(n: int, k: int, g: torch.Generator):
     return q, scale, minimum, w.reshape(n, k)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 37])   # past 8: blocks of 8 rows, then the rest
 @pytest.mark.parametrize("x_dtype", DTYPES)
 @pytest.mark.parametrize("k", [32, 576, 1536])
 def test_int4_gemv_matches_linear(rows, x_dtype, k):
@@ -324,14 +353,16 @@ def test_int4_gemv_matches_linear(rows, x_dtype, k):
         err = (got.double() - ref).abs().max() / ref.abs().max()
         # int16 activations: ~1e-5; then one bfloat16 rounding of the output
         assert err < (1e-4 if x_dtype == torch.float32 else 2 ** -8), err
+        if rows > 8:   # a row's result does not depend on the rows beside it
+            assert torch.equal(got[8:9], torch.ops.plait_cpu.int4_gemv(x[8:9], packed, b))
 
 
 def test_int4_gemv_rejects_what_it_does_not_take():
     q, scale, minimum, _ = _int4_weight(16, 64, torch.Generator().manual_seed(0))
     packed = cpu_kernels.int4_gemv_pack(q, scale, minimum)
-    with pytest.raises(RuntimeError, match="1..8"):
-        torch.ops.plait_cpu.int4_gemv(torch.randn(9, 64), packed, None)
-    with pytest.raises(RuntimeError, match=r"\[1..8, K\]"):
+    with pytest.raises(RuntimeError, match=r"\[M >= 1, K\]"):
+        torch.ops.plait_cpu.int4_gemv(torch.randn(0, 64), packed, None)
+    with pytest.raises(RuntimeError, match=r"\[M >= 1, K\]"):
         torch.ops.plait_cpu.int4_gemv(torch.randn(1, 96), packed, None)
     with pytest.raises(RuntimeError, match="bias"):
         torch.ops.plait_cpu.int4_gemv(torch.randn(1, 64), packed, torch.randn(15))
@@ -389,8 +420,9 @@ def _decode_logits(path: str, fused: bool, rows: int, **args) -> tuple[list[torc
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])   # qwen2: q/k/v biases
 @pytest.mark.parametrize("dtype,quantization,rows", [
     ("float32", None, 1), ("float32", None, 3), ("bfloat16", None, 2),
-    ("bfloat16", "int4", 1), ("bfloat16", "int4", 11),   # int4_gemv; 11 (then 10) rows: its bfloat16 panels
-    ("bfloat16", "int8", 5)])                           # 5 (then 4) rows: int8's bfloat16 panels
+    ("bfloat16", "int4", 1), ("bfloat16", "int4", 11),   # int4_gemv; 11 (then 10) rows: its blocks of 8 rows
+                                                        # (with bf16 dot products: the bfloat16 panels)
+    ("bfloat16", "int8", 5), ("bfloat16", "int8", 11)])  # int8_gemv; 11 (then 10): int8_rows (AVX2) or the panels
 def test_decode_layers_equals_the_layer_loop(tiny_model_dirs, arch, dtype, quantization, rows):
     """One op for all layers of a steady decode step runs the loop's kernels in its order: the very
     same logits at every step, and every steady step takes it (all but the prefill, the first

@@ -242,15 +242,16 @@ def test_int4_dequantized_within_half_a_step():
     assert ((lin.dequantized() - w).abs() <= 0.55 * step + 1e-7).all()
 
 
-@pytest.mark.parametrize("rows", [1, 8, 9, 10, 200])   # int4pack: VNNI GEMV up to 8 rows (else torch's int4
-@pytest.mark.parametrize("bias", [False, True])       # kernel up to 9), the bf16 copy from there on
-@pytest.mark.parametrize("gemv", [True, False])
-def test_int4_linear_matches_dequantized(rows, bias, gemv, monkeypatch):
+@pytest.mark.parametrize("rows", [1, 8, 9, 10, 200])   # int4pack: our GEMV up to 8 rows (else torch's int4
+@pytest.mark.parametrize("bias", [False, True])       # kernel up to 9), the bf16 copy from there on;
+@pytest.mark.parametrize("gemv,all_rows", [(True, False), (True, True), (False, False)])   # or the GEMV for all
+def test_int4_linear_matches_dequantized(rows, bias, gemv, all_rows, monkeypatch):
     from plait.runtime import cpu_kernels
     cpu_kernels.load()
     if gemv and not cpu_kernels.int4_gemv_available():
-        pytest.skip("no AVX512-VNNI")
+        pytest.skip("no AVX512-VNNI or AVX2")
     monkeypatch.setattr(cpu_kernels, "int4_gemv_available", lambda: gemv)
+    monkeypatch.setattr(cpu_kernels, "int4_gemv_all_rows", lambda: all_rows)
     torch.manual_seed(5)
     w, x = torch.randn(96, 128) * 0.1, torch.randn(rows, 128)
     b = torch.randn(96) if bias else None
@@ -261,8 +262,9 @@ def test_int4_linear_matches_dequantized(rows, bias, gemv, monkeypatch):
         assert got.shape == (rows, 96) and got.dtype == torch.float32
         if kernel == "dequant":
             torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
-        elif gemv and rows <= 8:
+        elif gemv and (rows <= 8 or all_rows):
             assert lin.packed_gemv is not None and lin.packed_int4 is None   # not a third copy
+            assert (lin.packed_bf16 is None) == all_rows                      # nor a bf16 one where unused
             # int16 activations, float32 out: the exact product up to ~1e-5
             assert (got - ref).abs().max() < 1e-4 * ref.abs().max()
         else:

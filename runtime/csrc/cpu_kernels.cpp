@@ -1484,7 +1484,7 @@ void int8_gemv_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   check_cpu(x, "x");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() && w.size(1) % 64 == 0,
               "int8_gemv: w must be contiguous int8 [N, K], K a multiple of 64");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1) && x.size(0) >= 1 && x.size(0) <= 8, "int8_gemv: x must be [1..8, K]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1) && x.size(0) >= 1, "int8_gemv: x must be [M >= 1, K]");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == w.size(0),
               "int8_gemv: scale must be float32 [N]");
 #if defined(PLAIT_INT_GEMV)
@@ -1505,36 +1505,39 @@ void int8_gemv_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
         const int8_t* wn = wp + n * K;
         // 4 rows ahead: the hardware prefetcher alone left it at ~35 GB/s (1 row: 0.82 -> 0.71 ms)
         for (int64_t l = 0; l < K; l += 64) _mm_prefetch(reinterpret_cast<const char*>(wn + 4 * K + l), _MM_HINT_T0);
+        for (int64_t r0 = 0; r0 < M; r0 += 8) {   // rows in blocks of 8; the weight row stays in L1
+          const int64_t r1 = std::min(M, r0 + 8);
 #if defined(PLAIT_INT_GEMV_512)
-        __m512 acc[8];
-        for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-        for (int64_t b = 0; b < B; ++b) {
-          const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wn + b * 64)));
-          const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wn + b * 64 + 32)));
-          for (int64_t m = 0; m < M; ++m) {
-            const int16_t* xb = xp + m * K + b * 64;
-            __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(xb), w0);
-            dot = _mm512_dpwssd_epi32(dot, _mm512_loadu_si512(xb + 32), w1);
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(sxp[m * B + b]), acc[m]);
+          __m512 acc[8];
+          for (int64_t m = r0; m < r1; ++m) acc[m - r0] = _mm512_setzero_ps();
+          for (int64_t b = 0; b < B; ++b) {
+            const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wn + b * 64)));
+            const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wn + b * 64 + 32)));
+            for (int64_t m = r0; m < r1; ++m) {
+              const int16_t* xb = xp + m * K + b * 64;
+              __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(xb), w0);
+              dot = _mm512_dpwssd_epi32(dot, _mm512_loadu_si512(xb + 32), w1);
+              acc[m - r0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(sxp[m * B + b]), acc[m - r0]);
+            }
           }
-        }
-        for (int64_t m = 0; m < M; ++m) yp[m * N + n] = _mm512_reduce_add_ps(acc[m]) * sp[n];
+          for (int64_t m = r0; m < r1; ++m) yp[m * N + n] = _mm512_reduce_add_ps(acc[m - r0]) * sp[n];
 #else
-        __m256 acc[8];
-        for (int64_t m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < B; ++b) {
-          __m256i wv[4];
-          for (int i = 0; i < 4; ++i)
-            wv[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wn + b * 64 + 16 * i)));
-          for (int64_t m = 0; m < M; ++m) {
-            const __m256i* xb = reinterpret_cast<const __m256i*>(xp + m * K + b * 64);
-            __m256i dot = _mm256_madd_epi16(_mm256_loadu_si256(xb), wv[0]);
-            for (int i = 1; i < 4; ++i) dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_loadu_si256(xb + i), wv[i]));
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(sxp[m * B + b]), acc[m]);
+          __m256 acc[8];
+          for (int64_t m = r0; m < r1; ++m) acc[m - r0] = _mm256_setzero_ps();
+          for (int64_t b = 0; b < B; ++b) {
+            __m256i wv[4];
+            for (int i = 0; i < 4; ++i)
+              wv[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wn + b * 64 + 16 * i)));
+            for (int64_t m = r0; m < r1; ++m) {
+              const __m256i* xb = reinterpret_cast<const __m256i*>(xp + m * K + b * 64);
+              __m256i dot = _mm256_madd_epi16(_mm256_loadu_si256(xb), wv[0]);
+              for (int i = 1; i < 4; ++i) dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_loadu_si256(xb + i), wv[i]));
+              acc[m - r0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(sxp[m * B + b]), acc[m - r0]);
+            }
           }
-        }
-        for (int64_t m = 0; m < M; ++m) yp[m * N + n] = reduce_add8(acc[m]) * sp[n];
+          for (int64_t m = r0; m < r1; ++m) yp[m * N + n] = reduce_add8(acc[m - r0]) * sp[n];
 #endif
+        }
       }
     });
   };
@@ -1549,6 +1552,116 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   at::Tensor y;
   int8_gemv_into(x, w, scale, y);
   return y;
+}
+
+// ---- int8 weights at many rows (AVX2 without AVX-512): int8 layers and LM head past decode's few ----
+// int8_gemv reads a weight row once for all rows of x but ends each (row, output) in a horizontal sum;
+// past 8 rows that leaves it no faster than a bfloat16 copy of the weights (SmolLM2's head, 32 rows:
+// ~114 vs ~110 GFLOP/s). Here, as int4_gemv does, 16 outputs share a vector, one lane each: the weight
+// packed [N/16, K/2, 32] (`int8_rows_pack`: per block of 16 outputs and pair of k, output i's two
+// weights at bytes 2i, 2i+1), sign-extended once per block of rows and k pair, vpmaddwd against the
+// pair of x broadcast, int32 sums per block of 64 k (x's int16 blocks: at most 64 x 32767 x 127, no
+// overflow), then float32. Same numbers as int8_gemv's up to float32 summation order.
+#if defined(PLAIT_INT_GEMV) && !defined(PLAIT_INT_GEMV_512)
+#define PLAIT_INT8_ROWS 1
+template <int M, typename O>
+void int8_rows_blocks(const int16_t* xq, const float* xs, const int8_t* w, const float* scale, int64_t K,
+                      int64_t b0, int64_t b1, O* y, int64_t N) {
+  const int64_t B = K / 64;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int8_t* wb = w + b * 16 * K;
+    __m256 acc[2][M];
+    for (int h = 0; h < 2; ++h)
+      for (int m = 0; m < M; ++m) acc[h][m] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < B; ++blk) {
+      __m256i dot[2][M];
+      for (int h = 0; h < 2; ++h)
+        for (int m = 0; m < M; ++m) dot[h][m] = _mm256_setzero_si256();
+      for (int p = 0; p < 32; ++p) {   // the block's 32 pairs of k
+        const int8_t* wp = wb + (blk * 32 + p) * 32;
+        const __m256i v0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
+        const __m256i v1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + 16)));
+        for (int m = 0; m < M; ++m) {
+          const __m256i xv = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xq + m * K + blk * 64 + 2 * p));
+          dot[0][m] = _mm256_add_epi32(dot[0][m], _mm256_madd_epi16(v0, xv));
+          dot[1][m] = _mm256_add_epi32(dot[1][m], _mm256_madd_epi16(v1, xv));
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        const __m256 sx = _mm256_set1_ps(xs[m * B + blk]);
+        for (int h = 0; h < 2; ++h) acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[h][m]), sx, acc[h][m]);
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 sc = _mm256_loadu_ps(scale + b * 16 + 8 * h);
+      for (int m = 0; m < M; ++m) store8(y + m * N + b * 16 + 8 * h, _mm256_mul_ps(acc[h][m], sc));
+    }
+  }
+}
+#endif
+
+// y: contiguous [M, N], float32 or bfloat16; made (float32) here when undefined.
+void int8_rows_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, at::Tensor& y) {
+  check_cpu(x, "x");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kChar && w.is_contiguous() && w.size(2) == 32 && (2 * w.size(1)) % 64 == 0,
+              "int8_rows: w must be the packed int8 [N/16, K/2, 32] of int8_rows_pack, K a multiple of 64");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == 2 * w.size(1) && x.size(0) >= 1, "int8_rows: x must be [M >= 1, K]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == 16 * w.size(0),
+              "int8_rows: scale must be float32 [N]");
+#if defined(PLAIT_INT8_ROWS)
+  const at::Tensor xc = (x.scalar_type() == at::kBFloat16 ? x : x.to(at::kFloat)).contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), NB = w.size(0), N = 16 * NB, B = K / 64;
+  QuantizedX& xq = quantized_x(M * K, M * B);
+  quantize_int16_blocks<64>(xc, xq.q.data(), xq.scale.data(), nullptr);
+  if (!y.defined()) y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  TORCH_CHECK(y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16, "int8_rows: out must be float32 or bfloat16");
+  check_out(y, {M, N}, y.scalar_type(), "int8_rows");
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const int16_t* xp = xq.q.data();
+  const float* sxp = xq.scale.data();
+  // rows of x a pass; SmolLM2's head, 9 / 32 / 64 rows, GFLOP/s: 4 rows 133-146 / 148-150 / 150-152,
+  // 6 rows 175-180 / 170-172 / 169, 8 rows 151-159 / 159-162 / 163-164
+  constexpr int R = 6;
+  const int64_t chunk = std::max<int64_t>(1, 32768 / (16 * K));   // blocks of weights that stay in L1/L2 across the rows
+  auto run = [&](auto* yp) {
+    parallel_shares(NB, grain(16 * K * M, 65536), chunk, [&](int64_t b0, int64_t b1) {
+      for (int64_t c0 = b0; c0 < b1; c0 += chunk) {
+        const int64_t c1 = std::min(b1, c0 + chunk);
+        for (int64_t r0 = 0; r0 < M; r0 += R) {
+          const int16_t* xr = xp + r0 * K;
+          const float* sr = sxp + r0 * B;
+          switch (std::min<int64_t>(R, M - r0)) {
+            case 1: int8_rows_blocks<1>(xr, sr, wp, sp, K, c0, c1, yp + r0 * N, N); break;
+            case 2: int8_rows_blocks<2>(xr, sr, wp, sp, K, c0, c1, yp + r0 * N, N); break;
+            case 3: int8_rows_blocks<3>(xr, sr, wp, sp, K, c0, c1, yp + r0 * N, N); break;
+            case 4: int8_rows_blocks<4>(xr, sr, wp, sp, K, c0, c1, yp + r0 * N, N); break;
+            case 5: int8_rows_blocks<5>(xr, sr, wp, sp, K, c0, c1, yp + r0 * N, N); break;
+            case 6: int8_rows_blocks<6>(xr, sr, wp, sp, K, c0, c1, yp + r0 * N, N); break;
+          }
+        }
+      }
+    });
+  };
+  if (y.scalar_type() == at::kBFloat16) run(y.data_ptr<c10::BFloat16>());
+  else run(y.data_ptr<float>());
+#else
+  TORCH_CHECK(false, "int8_rows: this build has no AVX2 path (or has AVX-512, where int8_gemv and the bf16 copy serve)");
+#endif
+}
+
+at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  at::Tensor y;
+  int8_rows_into(x, w, scale, y);
+  return y;
+}
+
+bool has_int8_rows() {
+#if defined(PLAIT_INT8_ROWS)
+  return true;
+#else
+  return false;
+#endif
 }
 
 // ---- int4 weight GEMV on 16-bit activations: GGUF Q4_1's layers at decode batch sizes -------------
@@ -1674,8 +1787,7 @@ void int4_gemv_into(const at::Tensor& x, const at::Tensor& w, const c10::optiona
   check_cpu(w, "w");
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(2) == 320,
               "int4_gemv: w must be the packed uint8 [N/16, K/32, 320] of int4_gemv_pack");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1) * 32 && x.size(0) >= 1 && x.size(0) <= 8,
-              "int4_gemv: x must be [1..8, K]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1) * 32 && x.size(0) >= 1, "int4_gemv: x must be [M >= 1, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "int4_gemv: x must be float32 or bfloat16");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                                     bias->numel() == w.size(0) * 16),
@@ -1691,15 +1803,25 @@ void int4_gemv_into(const at::Tensor& x, const at::Tensor& w, const c10::optiona
   else check_out(y, {M, N}, x.scalar_type(), "int4_gemv");
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const uint8_t* wp = w.data_ptr<uint8_t>();
+  // each thread streams a contiguous share of blocks (at least ~64K multiply-adds), in chunks of
+  // ~32 KB; past 8 rows, rows go in blocks of 8 over each chunk while it is in L1/L2 (the codes are
+  // unpacked once per block of rows, not once per row)
+  const int64_t chunk = std::max<int64_t>(1, 32768 / (G * kInt4GroupBytes));
   auto run = [&](auto* yp) {
-    // each thread streams a contiguous share of blocks (at least ~64K weights), in chunks of ~32 KB
-    parallel_shares(NB, grain(16 * K, 65536), std::max<int64_t>(1, 32768 / (G * kInt4GroupBytes)), [&](int64_t b0, int64_t b1) {
-      switch (M) {
+    parallel_shares(NB, grain(16 * K * M, 65536), chunk, [&](int64_t b0, int64_t b1) {
+      for (int64_t c0 = b0; c0 < b1; c0 += chunk) {
+        const int64_t c1 = std::min(b1, c0 + chunk);
+        for (int64_t r0 = 0; r0 < M; r0 += 8) {
+          const int16_t* xr = xq + r0 * K;
+          const float *sr = xs + r0 * G, *mr = xsum + r0 * G;
+          switch (std::min<int64_t>(8, M - r0)) {
 #define PLAIT_INT4_CASE(rows) \
-  case rows: int4_gemv_blocks<rows>(xq, xs, xsum, wp, bp, K, b0, b1, yp, N); break;
-        PLAIT_INT4_CASE(1) PLAIT_INT4_CASE(2) PLAIT_INT4_CASE(3) PLAIT_INT4_CASE(4)
-        PLAIT_INT4_CASE(5) PLAIT_INT4_CASE(6) PLAIT_INT4_CASE(7) PLAIT_INT4_CASE(8)
+  case rows: int4_gemv_blocks<rows>(xr, sr, mr, wp, bp, K, c0, c1, yp + r0 * N, N); break;
+            PLAIT_INT4_CASE(1) PLAIT_INT4_CASE(2) PLAIT_INT4_CASE(3) PLAIT_INT4_CASE(4)
+            PLAIT_INT4_CASE(5) PLAIT_INT4_CASE(6) PLAIT_INT4_CASE(7) PLAIT_INT4_CASE(8)
 #undef PLAIT_INT4_CASE
+          }
+        }
       }
     });
   };
@@ -1718,6 +1840,17 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const c10::option
 
 bool has_int_gemv() {
 #if defined(PLAIT_INT_GEMV)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Whether int4_gemv should take every row count, not only decode's few: where the CPU has no bfloat16
+// dot products (AVX512-BF16, AMX) for a bfloat16 copy of the weights to run faster.
+// SmolLM2's 120 int4 matrices, AVX2, 32 rows: int4_gemv 205 GFLOP/s, the copy's small_gemm 116.
+bool int4_gemv_all_rows() {
+#if defined(PLAIT_INT_GEMV) && !defined(__AVX512BF16__) && !defined(__AMX_BF16__)
   return true;
 #else
   return false;
@@ -1860,10 +1993,10 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 // for bit. Per layer, `weights` holds 10 tensors: input norm, qkv (a, b), o (a, b), post-attention
 // norm, gate_up (a, b), down (a, b); `kinds` 8 ints: (kind, out_features) per projection. A
 // projection's kind: 0 small_gemm (a = panels, b = float32 bias or empty), 1 int4_gemv (a = packed
-// codes, b = float32 bias or empty), 2 int8_gemv (a = int8 weight, b = float32 scales; float32 out,
-// cast to x's dtype). Attention: this step's K/V to pool slots `slots` and mirror rows `mirror_at`,
-// then decode attention over each layer's mirror with `lens`, batch row b at mirror row mirror_rows[b]
-// (default b; see decode_mirror.py).
+// codes, b = float32 bias or empty), 2 int8_gemv (a = int8 weight, b = float32 scales) or 3 int8_rows
+// (a = its packed int8 weight, b = float32 scales). Attention: this step's K/V to pool slots `slots`
+// and mirror rows `mirror_at`, then decode attention over each layer's mirror with `lens`, batch row b
+// at mirror row mirror_rows[b] (default b; see decode_mirror.py).
 // y: contiguous [rows, out_features] in x's dtype.
 void project_into(const at::Tensor& x, const int64_t* kind, const at::Tensor& a, const at::Tensor& b, at::Tensor& y) {
   const c10::optional<at::Tensor> bias = b.numel() ? c10::optional<at::Tensor>(b) : c10::nullopt;
@@ -1871,6 +2004,7 @@ void project_into(const at::Tensor& x, const int64_t* kind, const at::Tensor& a,
     case 0: return small_gemm_into(x, a, bias, kind[1], false, y);
     case 1: return int4_gemv_into(x, a, bias, y);
     case 2: return int8_gemv_into(x, a, b, y);
+    case 3: return int8_rows_into(x, a, b, y);
   }
   TORCH_CHECK(false, "decode_layers_: unknown projection kind ", kind[0]);
 }
@@ -1957,12 +2091,15 @@ TORCH_LIBRARY(plait_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lens, float scale, Tensor? rows=None) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor w, Tensor scale) -> Tensor");
+  m.def("int8_rows(Tensor x, Tensor w, Tensor scale) -> Tensor");
+  m.def("has_int8_rows() -> bool");
   m.def("small_gemm(Tensor x, Tensor w, Tensor? bias, int n, bool widen=False) -> Tensor");
   m.def("int4_gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("mirror_steady_(Tensor(a!) ids, Tensor(b!) stamps, Tensor(c!) lens, Tensor slot_stamp, Tensor kv, Tensor pre, "
         "Tensor targets, int clock, int kv_heads) -> Tensor");
   m.def("has_int_gemv() -> bool");
+  m.def("int4_gemv_all_rows() -> bool");
   m.def("shares_coverage(int n, int min_share, int chunk, int slow_us) -> Tensor");
   m.def("has_small_gemm(bool bf16) -> bool");
   m.def("decode_layers_(Tensor(a!) x, Tensor[] weights, int[] kinds, Tensor cos, Tensor sin, "
@@ -1975,6 +2112,8 @@ TORCH_LIBRARY(plait_cpu, m) {
 
 TORCH_LIBRARY_IMPL(plait_cpu, CompositeExplicitAutograd, m) {
   m.impl("has_int_gemv", &has_int_gemv);
+  m.impl("has_int8_rows", &has_int8_rows);
+  m.impl("int4_gemv_all_rows", &int4_gemv_all_rows);
   m.impl("shares_coverage", &shares_coverage);
   m.impl("has_small_gemm", &has_small_gemm);
 }
@@ -1986,6 +2125,7 @@ TORCH_LIBRARY_IMPL(plait_cpu, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("silu_mul", &silu_mul);
   m.impl("int8_gemv", &int8_gemv);
+  m.impl("int8_rows", &int8_rows);
   m.impl("small_gemm", &small_gemm);
   m.impl("int4_gemv", &int4_gemv);
   m.impl("kv_write_", &kv_write_);
