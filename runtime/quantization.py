@@ -14,7 +14,8 @@ replaced by a module holding quantized weights.
   reuse a weight across rows) falls behind, a bfloat16 copy of the *dequantized* int8 weights
   computes the same product: in `cpu_kernels.small_gemm`'s panels where that kernel runs (whole
   bf16+int4 steps, arms alternating, load ~1.5: batch 16 21.2 vs 24.7 ms, batch 32 29.6 vs 33.6
-  with oneDNN's GEMM), else prepacked for oneDNN. So int8 on the CPU holds 3 bytes a weight.
+  with oneDNN's GEMM), else prepacked for oneDNN. So int8 on the CPU holds 3 bytes a weight (2 where `int8_rows`
+  takes the many rows, below: its packed copy instead of the bfloat16 one).
   Measured on SmolLM2-135M's shapes (2 cores, 30 layers + LM head, weights out of cache, load ~15):
   M=1: 89 ms vs 183 ms float32 prepacked; M=4: 92 vs 188 (int8pack alone 125); M=32: 238 vs 372
   (int8pack alone 658).
@@ -65,12 +66,14 @@ agreement with float32 from 97% to 81%, for 3.7 ms less per batch-1 step (the he
 `cpu_kernels` `int8_gemv` (`Int8Linear.use_vnni_gemv`): activations as int16 in blocks of 64, exact
 int32 dot products, float32 logits. Measured on SmolLM2's head [49152, 576], 2 threads: 1 row
 1.05 vs 2.87 ms (`_weight_int8pack_mm`), 3 rows 1.6 vs 3.5; on 242 positions of the quality text,
-KL to the float32 head 0.00096 vs 0.00165 with bfloat16 activations. Past 8 rows, on a CPU with AVX2 and no
-AVX-512, int8 layers and head go through `cpu_kernels` `int8_rows` (`Int8Linear.use_vnni_gemv`):
-the same int16 activations and int32 block sums, with the weight packed so that 16 outputs share a
-vector (no horizontal sum per output), 6 rows of x a pass; the head [49152, 576], GFLOP/s: 9 rows
-175-180 vs the bfloat16 copy's 94, 32 rows 170-172 vs 110-114, 64 rows 169 vs 121 (int8_gemv past 8
-rows: 104-107). The bfloat16 copy is then dropped.
+KL to the float32 head 0.00096 vs 0.00165 with bfloat16 activations. On a CPU with AVX2 and no AVX-512,
+int8 layers and head go through `cpu_kernels` `int8_rows` instead, at every row count
+(`Int8Linear.use_vnni_gemv`): the same int16 activations and int32 block sums, with the weight
+packed so that 16 outputs share a vector (no horizontal sum per output), 6 rows of x a pass. The
+head [49152, 576], weights out of cache, ms: 1 row 1.15 vs int8_gemv's 1.31, 2 rows 1.17 vs 1.63, 8
+rows 2.64 vs 3.76 (SmolLM2's 120 layer matrices: 1 row 4.73 vs 5.68, 8 rows 10.90 vs 14.98);
+GFLOP/s past 8 rows: 9 rows 175-180 vs the bfloat16 copy's 94, 32 rows 170-172 vs 110-114, 64 rows
+169 vs 121 (int8_gemv there: 104-107). The bfloat16 copy is then dropped.
 
 `fp8` (CUDA only, compute capability >= 9.0): float8 e4m3 weights with per-row scales and
 per-token activation scales through `torch._scaled_mm`; other GPUs fall back to int8 dequant.
@@ -198,10 +201,10 @@ class Int8Linear(_WeightOnlyLinear):
 
     def use_vnni_gemv(self) -> bool:
         """From here on, up to 8 rows go through `cpu_kernels.int8_gemv` (activations as int16 in
-        blocks of 64, AVX512-VNNI or AVX2 int16 x int8 dot products, float32 out) where it runs, and
-        more rows through `cpu_kernels.int8_rows` where that runs (AVX2 without AVX-512: there it is
-        faster than the bfloat16 copy, which is then dropped); False where neither does (the
-        weight-only kernels stay)."""
+        blocks of 64, AVX512-VNNI or AVX2 int16 x int8 dot products, float32 out) where it runs, or
+        every row count through `cpu_kernels.int8_rows` where that runs (AVX2 without AVX-512: there
+        it is faster than int8_gemv at 1-8 rows and than the bfloat16 copy past them, which is then
+        dropped); False where neither does (the weight-only kernels stay)."""
         from . import cpu_kernels
         self.vnni_gemv = (self.kernel == "int8pack" and self.bias is None and self.in_features % 64 == 0
                           and self.qweight.device.type == "cpu" and cpu_kernels.int8_gemv_available())
@@ -226,11 +229,11 @@ class Int8Linear(_WeightOnlyLinear):
 
     def _vnni_takes(self, rows: int) -> bool:
         """Whether `int8_gemv` runs these rows (`forward` and `decode_kernel` agree through this)."""
-        return self.vnni_gemv and 1 <= rows <= 8
+        return self.vnni_gemv and self.packed_rows is None and 1 <= rows <= 8
 
     def _rows_takes(self, rows: int) -> bool:
-        """Whether `int8_rows` runs these rows (past int8_gemv's)."""
-        return self.packed_rows is not None and rows > 8
+        """Whether `int8_rows` runs these rows: all of them where it runs."""
+        return self.packed_rows is not None and rows >= 1
 
     widens = True   # forward takes `widen`
 
@@ -240,10 +243,10 @@ class Int8Linear(_WeightOnlyLinear):
         if x.dim() == 2 and self._vnni_takes(x.shape[0]):
             y = torch.ops.plait_cpu.int8_gemv(x, self.qweight, self.scale)   # float32 out
             return y if widen else self._output(x, y)
-        if self._rows_takes(_rows(x).shape[0]):
-            y = torch.ops.plait_cpu.int8_rows(_rows(x), self.packed_rows, self.scale)   # float32 out
-            return y if widen and x.dim() == 2 else self._output(x, y)
         x2 = _rows(x)
+        if self._rows_takes(x2.shape[0]):
+            y = torch.ops.plait_cpu.int8_rows(x2, self.packed_rows, self.scale)   # float32 out
+            return y if widen and x.dim() == 2 else self._output(x, y)
         if self.kernel == "int8pack" and x2.shape[0] < _INT8PACK_MAX_ROWS:
             y = torch._weight_int8pack_mm(_bf16_contiguous(x2), self.qweight, self.scale_bf16)
             if self.bias is not None:

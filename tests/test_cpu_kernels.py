@@ -275,7 +275,7 @@ def test_int8_linear_vnni_gemv_rows():
     ref = x @ lin.dequantized().t()
     assert got.dtype == torch.float32
     assert (got - ref).abs().max() < 0.1 * (weight_only - ref).abs().max()   # closer than bf16 activations
-    many = torch.randn(9, 128)   # 9 rows: int8_rows where it runs (the bf16 copy then dropped), else weight-only
+    many = torch.randn(9, 128)   # int8_rows, where it runs, takes every row count (the bf16 copy is dropped)
     assert (lin.packed_rows is not None) == cpu_kernels.int8_rows_available() and \
         (lin.packed_bf16 is None) == (lin.packed_rows is not None)
     if lin.packed_rows is not None:
@@ -422,7 +422,7 @@ def _decode_logits(path: str, fused: bool, rows: int, **args) -> tuple[list[torc
     ("float32", None, 1), ("float32", None, 3), ("bfloat16", None, 2),
     ("bfloat16", "int4", 1), ("bfloat16", "int4", 11),   # int4_gemv; 11 (then 10) rows: its blocks of 8 rows
                                                         # (with bf16 dot products: the bfloat16 panels)
-    ("bfloat16", "int8", 5), ("bfloat16", "int8", 11)])  # int8_gemv; 11 (then 10): int8_rows (AVX2) or the panels
+    ("bfloat16", "int8", 5), ("bfloat16", "int8", 11)])  # int8_rows (AVX2) or int8_gemv; 11: int8_rows or the panels
 def test_decode_layers_equals_the_layer_loop(tiny_model_dirs, arch, dtype, quantization, rows):
     """One op for all layers of a steady decode step runs the loop's kernels in its order: the very
     same logits at every step, and every steady step takes it (all but the prefill, the first
