@@ -1579,6 +1579,10 @@ void int8_rows_blocks(const int16_t* xq, const float* xs, const int8_t* w, const
     for (int h = 0; h < 2; ++h)
       for (int m = 0; m < M; ++m) acc[h][m] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < B; ++blk) {
+      // 2 KB ahead (on into the next outputs' weights, which follow): the head at 1 row, min / median
+      // of 12 alternating runs, 1.001 / 1.080 -> 0.920 / 0.992 ms (4 KB 0.955 / 1.021, 8 KB 0.930 / 1.024)
+      const char* ahead = reinterpret_cast<const char*>(wb + blk * 1024) + 2048;
+      for (int l = 0; l < 16; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
       __m256i dot[2][M];
       for (int h = 0; h < 2; ++h)
         for (int m = 0; m < M; ++m) dot[h][m] = _mm256_setzero_si256();
