@@ -6,7 +6,7 @@ of 3-10 aten ops; `small_gemm`, the float32 / bfloat16 projections at decode's b
 dot products; `prepack.py`);
 `int8_gemv`, AVX512-VNNI int8 layers and LM head, and `int4_gemv`, int4 (GGUF Q4_1) layers at decode's few
 rows on int16 activations, also by VNNI (`quantization.py`); where the CPU has no bfloat16 dot products,
-`int4_gemv` takes every row count and `int8_rows` (AVX2) int8's many rows, instead of a bfloat16 copy. On a CPU with AVX2 but no AVX-512 (AMD before
+`int4_gemv` takes every row count, and `int8_rows` (AVX2) int8's (for them: no bfloat16 copy). On a CPU with AVX2 but no AVX-512 (AMD before
 Zen 4, Intel client cores) each of these has an 8-wide AVX2 path (small_gemm: half panels of 16 columns,
 6 rows of x a pass, bfloat16 weights widened by shifts; the integer GEMVs by vpmaddwd), so the
 same kernels run there (oneDNN has no bfloat16 path on such a CPU: `prepack.onednn_takes`); `decode_layers_`, a steady decode step's
