@@ -118,6 +118,30 @@ T* at_least(std::vector<T>& v, int64_t n) {
   return v.data();
 }
 
+// f(std::integral_constant<int, rows>{}) for rows in 1..R: a kernel templated on its rows of x.
+template <int R, typename F>
+inline void with_rows(int64_t rows, const F& f) {
+  if constexpr (R > 1) {
+    if (rows < R) return with_rows<R - 1>(rows, f);
+  }
+  f(std::integral_constant<int, R>{});
+}
+
+// The integer GEMVs' loop: blocks [0, n) over the threads (parallel_shares), each thread's blocks in
+// chunks; each chunk taken by every block of up to R rows of x in turn while its weights sit in L1/L2
+// (a weight is unpacked once per block of rows, read from memory once). f(rows, r0, c0, c1): rows
+// [r0, r0 + rows) of x, rows a std::integral_constant, against blocks [c0, c1).
+template <int R, typename F>
+void row_blocks_over_chunks(int64_t n, int64_t M, int64_t min_share, int64_t chunk, const F& f) {
+  parallel_shares(n, min_share, chunk, [&](int64_t b0, int64_t b1) {
+    for (int64_t c0 = b0; c0 < b1; c0 += chunk) {
+      const int64_t c1 = std::min(b1, c0 + chunk);
+      for (int64_t r0 = 0; r0 < M; r0 += R)
+        with_rows<R>(std::min<int64_t>(R, M - r0), [&](auto rows) { f(rows, r0, c0, c1); });
+    }
+  });
+}
+
 // For tests: which thread ran each index of [0, n) under parallel_shares (-1: none, -2: more than
 // once), thread 0 sleeping `slow_us` in each chunk it runs, so that the others take from its share.
 at::Tensor shares_coverage(int64_t n, int64_t min_share, int64_t chunk, int64_t slow_us) {
@@ -1475,6 +1499,20 @@ void quantize_int16_blocks(const at::Tensor& x, int16_t* xq, float* xs, float* x
   if (x.scalar_type() == at::kBFloat16) quantize_int16_blocks<B>(x.data_ptr<c10::BFloat16>(), M, K, xq, xs, xsum);
   else quantize_int16_blocks<B>(x.data_ptr<float>(), M, K, xq, xs, xsum);
 }
+
+// The int8 kernels' input and output: x [M, K] (bfloat16, else as float32) as int16 in blocks of 64
+// along K, in the calling thread's buffers; y [M, N] made float32 when undefined, else float32 or
+// bfloat16.
+QuantizedX& int8_kernel_io(const at::Tensor& x, int64_t N, at::Tensor& y, const char* op) {
+  const at::Tensor xc = (x.scalar_type() == at::kBFloat16 ? x : x.to(at::kFloat)).contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  QuantizedX& q = quantized_x(M * K, M * (K / 64));
+  quantize_int16_blocks<64>(xc, q.q.data(), q.scale.data(), nullptr);
+  if (!y.defined()) y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  TORCH_CHECK(y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16, op, ": out must be float32 or bfloat16");
+  check_out(y, {M, N}, y.scalar_type(), op);
+  return q;
+}
 #endif
 
 // ---- int8 weight GEMV on 16-bit activations: int8 layers and LM head at decode batch sizes ---------
@@ -1493,13 +1531,8 @@ void int8_gemv_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == w.size(0),
               "int8_gemv: scale must be float32 [N]");
 #if defined(PLAIT_INT_GEMV)
-  const at::Tensor xc = (x.scalar_type() == at::kBFloat16 ? x : x.to(at::kFloat)).contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = w.size(0), B = K / 64;
-  QuantizedX& xq = quantized_x(M * K, M * B);
-  quantize_int16_blocks<64>(xc, xq.q.data(), xq.scale.data(), nullptr);
-  if (!y.defined()) y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  TORCH_CHECK(y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16, "int8_gemv: out must be float32 or bfloat16");
-  check_out(y, {M, N}, y.scalar_type(), "int8_gemv");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), B = K / 64;
+  const QuantizedX& xq = int8_kernel_io(x, N, y, "int8_gemv");
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   const int16_t* xp = xq.q.data();
@@ -1619,13 +1652,8 @@ void int8_rows_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == 16 * w.size(0),
               "int8_rows: scale must be float32 [N]");
 #if defined(PLAIT_INT8_ROWS)
-  const at::Tensor xc = (x.scalar_type() == at::kBFloat16 ? x : x.to(at::kFloat)).contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), NB = w.size(0), N = 16 * NB, B = K / 64;
-  QuantizedX& xq = quantized_x(M * K, M * B);
-  quantize_int16_blocks<64>(xc, xq.q.data(), xq.scale.data(), nullptr);
-  if (!y.defined()) y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  TORCH_CHECK(y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16, "int8_rows: out must be float32 or bfloat16");
-  check_out(y, {M, N}, y.scalar_type(), "int8_rows");
+  const int64_t M = x.size(0), K = x.size(1), NB = w.size(0), N = 16 * NB, B = K / 64;
+  const QuantizedX& xq = int8_kernel_io(x, N, y, "int8_rows");
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   const int16_t* xp = xq.q.data();
@@ -1633,24 +1661,10 @@ void int8_rows_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   // rows of x a pass; SmolLM2's head, 9 / 32 / 64 rows, GFLOP/s: 4 rows 133-146 / 148-150 / 150-152,
   // 6 rows 175-180 / 170-172 / 169, 8 rows 151-159 / 159-162 / 163-164
   constexpr int R = 6;
-  const int64_t chunk = std::max<int64_t>(1, 32768 / (16 * K));   // blocks of weights that stay in L1/L2 across the rows
+  const int64_t chunk = std::max<int64_t>(1, 32768 / (16 * K));   // ~32 KB of weights
   auto run = [&](auto* yp) {
-    parallel_shares(NB, grain(16 * K * M, 65536), chunk, [&](int64_t b0, int64_t b1) {
-      for (int64_t c0 = b0; c0 < b1; c0 += chunk) {
-        const int64_t c1 = std::min(b1, c0 + chunk);
-        for (int64_t r0 = 0; r0 < M; r0 += R) {
-          const int16_t* xr = xp + r0 * K;
-          const float* sr = sxp + r0 * B;
-          switch (std::min<int64_t>(R, M - r0)) {
-            case 1: int8_rows_blocks<1>(xr, sr, wp, sp, K, c0, c1, yp + r0 * N, N); break;
-            case 2: int8_rows_blocks<2>(xr, sr, wp, sp, K, c0, c1, yp + r0 * N, N); break;
-            case 3: int8_rows_blocks<3>(xr, sr, wp, sp, K, c0, c1, yp + r0 * N, N); break;
-            case 4: int8_rows_blocks<4>(xr, sr, wp, sp, K, c0, c1, yp + r0 * N, N); break;
-            case 5: int8_rows_blocks<5>(xr, sr, wp, sp, K, c0, c1, yp + r0 * N, N); break;
-            case 6: int8_rows_blocks<6>(xr, sr, wp, sp, K, c0, c1, yp + r0 * N, N); break;
-          }
-        }
-      }
+    row_blocks_over_chunks<R>(NB, M, grain(16 * K * M, 65536), chunk, [&](auto rows, int64_t r0, int64_t c0, int64_t c1) {
+      int8_rows_blocks<decltype(rows)::value>(xp + r0 * K, sxp + r0 * B, wp, sp, K, c0, c1, yp + r0 * N, N);
     });
   };
   if (y.scalar_type() == at::kBFloat16) run(y.data_ptr<c10::BFloat16>());
@@ -1814,25 +1828,11 @@ void int4_gemv_into(const at::Tensor& x, const at::Tensor& w, const c10::optiona
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   // each thread streams a contiguous share of blocks (at least ~64K multiply-adds), in chunks of
-  // ~32 KB; past 8 rows, rows go in blocks of 8 over each chunk while it is in L1/L2 (the codes are
-  // unpacked once per block of rows, not once per row)
+  // ~32 KB, rows of x in blocks of 8
   const int64_t chunk = std::max<int64_t>(1, 32768 / (G * kInt4GroupBytes));
   auto run = [&](auto* yp) {
-    parallel_shares(NB, grain(16 * K * M, 65536), chunk, [&](int64_t b0, int64_t b1) {
-      for (int64_t c0 = b0; c0 < b1; c0 += chunk) {
-        const int64_t c1 = std::min(b1, c0 + chunk);
-        for (int64_t r0 = 0; r0 < M; r0 += 8) {
-          const int16_t* xr = xq + r0 * K;
-          const float *sr = xs + r0 * G, *mr = xsum + r0 * G;
-          switch (std::min<int64_t>(8, M - r0)) {
-#define PLAIT_INT4_CASE(rows) \
-  case rows: int4_gemv_blocks<rows>(xr, sr, mr, wp, bp, K, c0, c1, yp + r0 * N, N); break;
-            PLAIT_INT4_CASE(1) PLAIT_INT4_CASE(2) PLAIT_INT4_CASE(3) PLAIT_INT4_CASE(4)
-            PLAIT_INT4_CASE(5) PLAIT_INT4_CASE(6) PLAIT_INT4_CASE(7) PLAIT_INT4_CASE(8)
-#undef PLAIT_INT4_CASE
-          }
-        }
-      }
+    row_blocks_over_chunks<8>(NB, M, grain(16 * K * M, 65536), chunk, [&](auto rows, int64_t r0, int64_t c0, int64_t c1) {
+      int4_gemv_blocks<decltype(rows)::value>(xq + r0 * K, xs + r0 * G, xsum + r0 * G, wp, bp, K, c0, c1, yp + r0 * N, N);
     });
   };
   if (x.scalar_type() == at::kBFloat16) run(y.data_ptr<c10::BFloat16>());
