@@ -221,19 +221,25 @@ def small_gemm_available(dtype: torch.dtype) -> bool:
             and bool(torch.ops.plait_cpu.has_small_gemm(dtype == torch.bfloat16)))
 
 
+def _bf16_k_pairs() -> bool:
+    return not load() or bool(torch.ops.plait_cpu.bf16_panels_k_pairs())
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """A float32 / bfloat16 weight `[N, K]` in `small_gemm`'s panels of 32 output columns, k-major:
-    float32 `[ceil(N/32), K, 32]`, bfloat16 `[ceil(N/32), K/2, 32, 2]` (pairs of k; K must be even);
-    the last panel's missing columns are zeros."""
+    float32 `[ceil(N/32), K, 32]`; bfloat16 `[ceil(N/32), K/2, 32, 2]` (pairs of k, as AVX512-BF16's
+    dot product takes them; K must be even) or, where small_gemm runs on AVX2, `[ceil(N/32), K, 32]`
+    as float32's; the last panel's missing columns are zeros."""
     n, k = weight.shape
-    if weight.dtype == torch.bfloat16 and k % 2:
+    pairs = weight.dtype == torch.bfloat16 and _bf16_k_pairs()
+    if pairs and k % 2:
         raise ValueError(f"pack_panels: a bfloat16 weight needs an even K, got {k}")
     w = weight.detach()
     pad = -n % 32
     if pad:
         w = torch.cat([w, w.new_zeros(pad, k)])
     panels = w.reshape(-1, 32, k)
-    if weight.dtype == torch.bfloat16:
+    if pairs:
         return panels.reshape(-1, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous()
     return panels.transpose(1, 2).contiguous()
 

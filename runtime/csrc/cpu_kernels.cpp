@@ -1082,7 +1082,8 @@ void kv_write_(at::Tensor pool_k, at::Tensor pool_v, const at::Tensor& slots, co
 // ---- float32 / bfloat16 small-M GEMM: the projections at decode batch sizes ----------------------
 // y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for a few rows of x, summed in float32. The weight
 // is held in panels of 32 output columns, k-major (`pack_panels` in cpu_kernels.py): float32
-// [N/32, K, 32], bfloat16 [N/32, K/2, 32, 2] (pairs of k, as AVX512-BF16's dot product takes them).
+// [N/32, K, 32], bfloat16 [N/32, K/2, 32, 2] (pairs of k, as AVX512-BF16's dot product takes them;
+// AVX2: [N/32, K, 32], see bf16_panels_k_pairs).
 // A row block of up to 12 rows of x runs over a panel with 24 accumulators: per k (pair) two
 // loads of the weight, one broadcast and two FMAs (dot products) per row, no horizontal sums. At
 // one row that streams the weight at the machine's bandwidth; at 32 float32 rows 362-410 GFLOP/s
@@ -1209,14 +1210,13 @@ void small_gemm_panels(const T* x, int64_t M, int64_t K, const T* w, const float
 }
 #elif defined(PLAIT_AVX2)
 // AVX2 has 16 vector registers: a pass runs up to 6 rows of x against half a panel (16 columns): 12
-// accumulators, 2 weights (a bfloat16 k pair's weights split into float32 by a shift and a mask,
-// 8 columns at a time) and the broadcasts. x comes as float32 (bfloat16 widened once a call);
-// bfloat16 products are exact in float32, as AVX512-BF16's are, and each accumulator takes k in
-// order, so a row's arithmetic is the same in every row block (a batch's rows equal their batch-1
-// results). bfloat16 at 6 rows (each k pair's weights converted once per half, then all rows) rather
-// than 4 (both halves' weights live): SmolLM2's 120 matrices, 32 rows, 76 -> 89 GFLOP/s (min, arms
-// alternating). (Even and odd k in separate accumulators, 3 rows a block, so that one row's sums are
-// 4 chains, not 2 waiting on the FMA latency: no faster out of cache at 1-4 rows, 64 rows ~20% slower.)
+// accumulators, 2 weights and a broadcast (up to 2 rows: the whole panel, 4 weights). bfloat16 panels
+// hold one k a row as float32's do (not AVX512-BF16's pairs), widened 8 weights at a time
+// (load16_widened). x comes as float32 (bfloat16 widened once a call); bfloat16 products are exact in
+// float32, as AVX512-BF16's are, and each accumulator takes k in order, so a row's arithmetic is the
+// same in every row block (a batch's rows equal their batch-1 results). (Even and odd k in separate
+// accumulators, 3 rows a block, so that one row's sums are more chains: no faster out of cache at 1-4
+// rows, 64 rows ~20% slower.)
 constexpr int64_t kRowBlock8 = 6;
 
 // The first n (1..8) of 8 output columns.
@@ -1242,60 +1242,68 @@ inline void store_cols8(Streamed<c10::BFloat16>* p, __m256 v, int64_t n) {
   stream_cols8(reinterpret_cast<float*>(p), stored8(static_cast<c10::BFloat16*>(nullptr), v), n);
 }
 
-// MR rows of x (float32) against 16 columns of a panel (w: the half's first weight; k rows 32
-// float32 / k-pair rows 64 bfloat16 apart), `cols` (1..16) of them real; bias (may be null) at the
-// half's first column.
-template <int MR, typename T, typename O>
-inline void half_panel_rows(const float* x, int64_t K, const T* w, const float* bias, O* y, int64_t N, int64_t cols,
+// A panel row's 16 weights as float32 (w0: columns 0-7, w1: 8-15). bfloat16: each 8 zero-extended
+// from memory and shifted into the high halves, so that each broadcast of x feeds both halves' FMAs
+// as float32's does. (Panels of k pairs, split by a shift and a mask as AVX512-BF16 lays them out,
+// broadcast every x twice: SmolLM2's 120 layer matrices, 32 rows, streamed 122 GFLOP/s, 169 this way.)
+inline void load16_widened(const float* w, __m256& w0, __m256& w1) {
+  w0 = _mm256_loadu_ps(w);
+  w1 = _mm256_loadu_ps(w + 8);
+}
+inline void load16_widened(const c10::BFloat16* w, __m256& w0, __m256& w1) {
+  const __m128i* p = reinterpret_cast<const __m128i*>(w);
+  w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p)), 16));
+  w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p + 1)), 16));
+}
+
+// MR rows of x (float32) against V x 8 columns of a panel (w: their first weight; k rows 32 weights
+// apart), `cols` (1..8V) of them real; bias (may be null) at their first column. (The m and v loops
+// unrolled by pragma: left to GCC's heuristics, the accumulator arrays stayed in memory, stored
+// every k: 32 rows ~2.5x slower.)
+template <int MR, int V, typename T, typename O>
+inline void panel_cols_rows(const float* x, int64_t K, const T* w, const float* bias, O* y, int64_t N, int64_t cols,
                             const char* pf, int64_t pf_lines) {
-  __m256 a0[MR], a1[MR];
-  for (int m = 0; m < MR; ++m) a0[m] = a1[m] = _mm256_setzero_ps();
-  if constexpr (std::is_same<T, float>::value) {
-    SpreadPrefetch ahead{pf, pf_lines, K};
-    for (int64_t k = 0; k < K; ++k) {
-      ahead.step();
-      const __m256 w0 = _mm256_loadu_ps(w + k * kPanel), w1 = _mm256_loadu_ps(w + k * kPanel + 8);
-      for (int m = 0; m < MR; ++m) {
-        const __m256 b = _mm256_broadcast_ss(x + m * K + k);
-        a0[m] = _mm256_fmadd_ps(b, w0, a0[m]);
-        a1[m] = _mm256_fmadd_ps(b, w1, a1[m]);
-      }
-    }
-  } else {
-    const int64_t K2 = K / 2;
-    const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-    SpreadPrefetch ahead{pf, pf_lines, K2};
-    for (int64_t k = 0; k < K2; ++k) {
-      ahead.step();
-      const float* xk = x + 2 * k;
-      // lane c holds (w[c, 2k], w[c, 2k + 1]): the low half as float32 by a shift, the high by a mask
-      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 2 * kPanel));
-      const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, high));
-      for (int m = 0; m < MR; ++m)
-        a0[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk + m * K + 1), o0, _mm256_fmadd_ps(_mm256_broadcast_ss(xk + m * K), e0, a0[m]));
-      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 2 * kPanel + 16));
-      const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, high));
-      for (int m = 0; m < MR; ++m)
-        a1[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk + m * K + 1), o1, _mm256_fmadd_ps(_mm256_broadcast_ss(xk + m * K), e1, a1[m]));
+  __m256 a[V][MR];
+#pragma GCC unroll 4
+  for (int v = 0; v < V; ++v)
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) a[v][m] = _mm256_setzero_ps();
+  SpreadPrefetch ahead{pf, pf_lines, K};
+  for (int64_t k = 0; k < K; ++k) {
+    ahead.step();
+    __m256 wv[V];
+#pragma GCC unroll 2
+    for (int j = 0; j < V / 2; ++j) load16_widened(w + k * kPanel + 16 * j, wv[2 * j], wv[2 * j + 1]);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m256 b = _mm256_broadcast_ss(x + m * K + k);
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) a[v][m] = _mm256_fmadd_ps(b, wv[v], a[v][m]);
     }
   }
-  const int64_t n0 = std::min<int64_t>(8, cols), n1 = cols - n0;
-  __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
-  if (bias != nullptr) {
-    b0 = _mm256_maskload_ps(bias, lanes8(n0));
-    b1 = _mm256_maskload_ps(bias + 8, lanes8(n1));
-  }
-  for (int m = 0; m < MR; ++m) {
-    store_cols8(y + m * N, _mm256_add_ps(a0[m], b0), n0);
-    if (n1 > 0) store_cols8(y + m * N + 8, _mm256_add_ps(a1[m], b1), n1);
+#pragma GCC unroll 4
+  for (int v = 0; v < V; ++v) {
+    const int64_t n = std::min<int64_t>(8, cols - 8 * v);
+    if (n <= 0) break;
+    const __m256 bv = bias != nullptr ? _mm256_maskload_ps(bias + 8 * v, lanes8(n)) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) store_cols8(y + m * N + 8 * v, _mm256_add_ps(a[v][m], bv), n);
   }
 }
 
-// All M rows against one panel (wp), its `cols` real columns, as two halves of 16 columns; each pass
-// prefetches its share of `next` (`next_lines` cache lines; null: none).
+// All M rows against one panel (wp), its `cols` real columns; each pass prefetches its share of
+// `next` (`next_lines` cache lines; null: none). Up to 2 rows: the whole panel in one pass (4 vectors
+// of columns: 4-8 chains of FMAs a row, where 2 waited on the FMA latency); more: in row blocks of
+// up to 6, each against the two halves of 16 columns in turn (12 accumulators).
 template <typename T, typename O>
 void panel_passes(const float* x, int64_t M, int64_t K, const T* wp, const char* next, int64_t next_lines,
                   const float* bias, O* y, int64_t N, int64_t cols) {
+  if (M <= 2) {
+    const int64_t lines = next != nullptr ? next_lines : 0;
+    if (M == 1) panel_cols_rows<1, 4>(x, K, wp, bias, y, N, cols, next, lines);
+    else panel_cols_rows<2, 4>(x, K, wp, bias, y, N, cols, next, lines);
+    return;
+  }
   const int64_t blocks = (M + kRowBlock8 - 1) / kRowBlock8, passes = 2 * blocks;
   const int64_t share = (next_lines + passes - 1) / passes;
   for (int64_t h = 0; h < 2; ++h) {
@@ -1305,11 +1313,11 @@ void panel_passes(const float* x, int64_t M, int64_t K, const T* wp, const char*
       const char* pf = next + 64 * share * pass;
       const int64_t lines = next != nullptr ? std::max<int64_t>(0, std::min(share, next_lines - share * pass)) : 0;
       const float* bp = bias ? bias + 16 * h : nullptr;
-      const T* wh = wp + 16 * h * (std::is_same<T, float>::value ? 1 : 2);
+      const T* wh = wp + 16 * h;
       O* yp = y + r0 * N + 16 * h;
       switch (r1 - r0) {
 #define PLAIT_HALF_ROWS(rows) \
-  case rows: half_panel_rows<rows>(x + r0 * K, K, wh, bp, yp, N, hc, pf, lines); break;
+  case rows: panel_cols_rows<rows, 2>(x + r0 * K, K, wh, bp, yp, N, hc, pf, lines); break;
         PLAIT_HALF_ROWS(1) PLAIT_HALF_ROWS(2) PLAIT_HALF_ROWS(3) PLAIT_HALF_ROWS(4) PLAIT_HALF_ROWS(5) PLAIT_HALF_ROWS(6)
 #undef PLAIT_HALF_ROWS
       }
@@ -1334,6 +1342,16 @@ void small_gemm_panels(const float* x, int64_t M, int64_t K, const T* w, const f
 }
 #endif
 
+// Whether small_gemm's bfloat16 panels hold pairs of k ([N/32, K/2, 32, 2], as AVX512-BF16's dot
+// product takes them) or one k a row ([N/32, K, 32], as float32's: AVX2, see load16_widened).
+bool bf16_panels_k_pairs() {
+#if defined(PLAIT_AVX2)
+  return false;
+#else
+  return true;
+#endif
+}
+
 bool has_small_gemm(bool bf16) {
 #if defined(PLAIT_SMALL_GEMM) && (defined(__AVX512BF16__) || defined(PLAIT_AVX2))
   return true;
@@ -1351,11 +1369,12 @@ void small_gemm_into(const at::Tensor& x, const at::Tensor& w, const c10::option
                      bool widen, at::Tensor& y) {
   check_cpu(x, "x");
   check_cpu(w, "w");
-  const bool bf16 = w.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(w.is_contiguous() && ((w.scalar_type() == at::kFloat && w.dim() == 3 && w.size(2) == 32) ||
-                                    (bf16 && w.dim() == 4 && w.size(2) == 32 && w.size(3) == 2)),
-              "small_gemm: w must be the panels of pack_panels (float32 [N/32, K, 32] or bfloat16 [N/32, K/2, 32, 2])");
-  const int64_t K = bf16 ? 2 * w.size(1) : w.size(1), P = w.size(0);
+  const bool bf16 = w.scalar_type() == at::kBFloat16, pairs = bf16 && bf16_panels_k_pairs();
+  TORCH_CHECK(w.is_contiguous() && (w.scalar_type() == at::kFloat || bf16) && w.dim() == (pairs ? 4 : 3) &&
+                  w.size(2) == 32 && (!pairs || w.size(3) == 2),
+              "small_gemm: w must be the panels of pack_panels (float32 [N/32, K, 32]; bfloat16 ",
+              pairs ? "[N/32, K/2, 32, 2]" : "[N/32, K, 32]", " on this CPU)");
+  const int64_t K = pairs ? 2 * w.size(1) : w.size(1), P = w.size(0);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.size(0) >= 1, "small_gemm: x must be [M >= 1, K]");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "small_gemm: x and w must have one dtype");
   TORCH_CHECK(N > (P - 1) * 32 && N <= P * 32, "small_gemm: N does not fit the panels");
@@ -2112,6 +2131,7 @@ TORCH_LIBRARY(plait_cpu, m) {
   m.def("int4_gemv_all_rows() -> bool");
   m.def("shares_coverage(int n, int min_share, int chunk, int slow_us) -> Tensor");
   m.def("has_small_gemm(bool bf16) -> bool");
+  m.def("bf16_panels_k_pairs() -> bool");
   m.def("decode_layers_(Tensor(a!) x, Tensor[] weights, int[] kinds, Tensor cos, Tensor sin, "
         "Tensor(b!)[] pool_k, Tensor(c!)[] pool_v, Tensor slots, Tensor(d!)[] mirror_k, Tensor(e!)[] mirror_v, "
         "Tensor mirror_at, Tensor lens, Tensor? mirror_rows, int heads, int kv_heads, int head_dim, float eps, "
@@ -2126,6 +2146,7 @@ TORCH_LIBRARY_IMPL(plait_cpu, CompositeExplicitAutograd, m) {
   m.impl("int4_gemv_all_rows", &int4_gemv_all_rows);
   m.impl("shares_coverage", &shares_coverage);
   m.impl("has_small_gemm", &has_small_gemm);
+  m.impl("bf16_panels_k_pairs", &bf16_panels_k_pairs);
 }
 
 TORCH_LIBRARY_IMPL(plait_cpu, CPU, m) {
