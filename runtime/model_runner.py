@@ -8,7 +8,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from . import cpu_kernels
+from . import cpu_kernels, weight_arena
 from .attention import make_attention_backend
 from .cuda_graph import make_decode_graph_runner
 from .forward_batch import ForwardBatch
@@ -87,6 +87,8 @@ class ModelRunner:
         # RoPE tables stay float32 for accuracy; they are cast per step.
         self.model.rope_cos = self.model.rope_cos.float()
         self.model.rope_sin = self.model.rope_sin.float()
+        # one huge-page buffer, in the order a step reads them (batch-1 decode streams them faster)
+        self.weight_arena = weight_arena.consolidate(self.model) if self.device.type == "cpu" else None
         attn = self.model.layers[0].self_attn
         self.num_layers = self.config.num_hidden_layers
         # KV in the model's dtype: a bfloat16 model's K/V are bfloat16 values, which a float32 pool

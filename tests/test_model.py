@@ -24,9 +24,9 @@ PACKED_TOL = 5e-4
 class Harness:
     """Drives ModelRunner directly: per-request rows, slots and extend steps."""
 
-    def __init__(self, path: str, slots: int = 2048, prepack: bool = False):
+    def __init__(self, path: str, slots: int = 2048, prepack: bool = False, **args):
         self.runner = ModelRunner(ServerArgs(model=path, dtype="float32", max_total_tokens=slots,
-                                             disable_weight_prepack=not prepack))
+                                             disable_weight_prepack=not prepack, **args))
         self.alloc = TokenSlotAllocator(slots)
         self.table = ReqToTokenTable(8, self.runner.context_len + 1)
         self.kv_len: dict[int, int] = {}
