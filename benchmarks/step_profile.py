@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--enable-torch-compile", action="store_true")
     ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8", "int4", "fp8"],
                     help="weights; several: one scheduler each, their steps interleaved batch by batch")
+    ap.add_argument("--skip-roofline", action="store_true", help="do not measure the machine's limits")
+    ap.add_argument("--quick", action="store_true", help="the roofline at small sizes (a smoke test, not a measurement)")
     args = ap.parse_args(argv)
     from plait.runtime.scheduler import Scheduler
     batches = sorted(args.batch)
@@ -133,7 +135,35 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{r['scheduler_ms']:>7.2f} {r['build_ms']:>8.2f} | {share:>6.1f}% | {r['step_cpu_ms']:>8.1f}",
                       flush=True)
         print(f"(load {os.getloadavg()[0]:.2f})")
+    if not args.skip_roofline:
+        print_fractions(args, scheds, results)
     return results
+
+
+def print_fractions(args, scheds: dict, results: dict) -> None:
+    """Each row's decode rate as a fraction of the roofline: batch 1 against the bandwidth ceiling
+    (weights only, and weights plus the KV cache read at this context), larger batches against
+    the compute one."""
+    from .roofline import fraction_line, kv_bytes_per_step, roofline
+    print("\nagainst the roofline (plait bench roofline):")
+    for quant, sched in scheds.items():
+        dtype = str(sched.runner.dtype).removeprefix("torch.")
+        r = roofline(args.model, dtype, None if quant == "none" else quant, args.threads, args.quick)
+        context = args.prompt_len + args.steps // 2   # the mean over the timed steps
+        kv = kv_bytes_per_step(sched.runner.config, context, sched.runner.pool.k[0].element_size())
+        with_kv = r["machine"]["read_gbs"] * 1e9 / (r["bytes_per_token"] + kv)
+        for key, res in results.items():
+            parts = key.split("/")
+            if len(scheds) > 1 and parts[1] != quant:
+                continue
+            batch = int(parts[-1])
+            tok_s = 1000 * batch / res["step_ms"]
+            label = f"{parts[0]} {r['kind']} batch {batch}"
+            if batch == 1:
+                print(f"{fraction_line(label, tok_s, r['batch1_tok_s'])} (weights); "
+                      f"{tok_s / with_kv:.0%} of {with_kv:.1f} with the {context}-token KV cache")
+            else:
+                print(fraction_line(label, tok_s, r["large_batch_tok_s"]))
 
 
 if __name__ == "__main__":

@@ -28,10 +28,29 @@ def test_roofline_quick(tiny_model_dirs, capsys):
     from plait.benchmarks.roofline import main
     r = main(["--model", tiny_model_dirs["llama"], "--quick", "--threads", "1", "--quantization", "int8"])
     assert r["kind"] == "int8" and r["machine"]["read_gbs"] > 0
+    assert r["machine"]["read_gbs"] == max(v for k, v in r["machine"].items() if k.startswith("read_gbs_"))
     assert all(v > 0 for row in r["machine"]["matmul_gflops"].values() for v in row.values())
     assert r["batch1_tok_s"] == pytest.approx(r["machine"]["read_gbs"] * 1e9 / r["bytes_per_token"])
     assert r["large_batch_tok_s"] == pytest.approx(r["peak_gflops"] * 1e9 / r["flops_per_token"])
     assert "batch-1 decode ceiling" in capsys.readouterr().out
+
+
+def test_kv_bytes_per_step_is_the_pools_slot_size(tiny_model_dirs):
+    from plait.benchmarks.roofline import kv_bytes_per_step
+    from plait.runtime.memory_pool import KVPool
+    from plait.runtime.model_loader import load_config
+    config = load_config(tiny_model_dirs["qwen3"])   # head_dim apart from hidden / heads
+    per_slot = KVPool.bytes_per_slot(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, torch.bfloat16)
+    assert kv_bytes_per_step(config, 100, 2) == 100 * per_slot
+
+
+def test_step_profile_prints_fractions(tiny_model_dirs, capsys):
+    from plait.benchmarks.step_profile import main
+    res = main(["--model", tiny_model_dirs["llama"], "--dtype", "float32", "--batch", "1", "2", "--prompt-len", "16",
+                "--steps", "2", "--threads", "1", "--quick"])
+    assert set(res) == {"mirror/1", "mirror/2"} and all(r["step_ms"] > 0 for r in res.values())
+    out = capsys.readouterr().out
+    assert "batch 1:" in out and "with the 17-token KV cache" in out and "batch 2:" in out and "roofline" in out
 
 
 def test_quality_tiny(tiny_model_dirs, tmp_path):
