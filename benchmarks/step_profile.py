@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> dict:
                            quantization=None if quant == "none" else quant)
         scheds[quant] = Scheduler(sargs)
     runner = next(iter(scheds.values())).runner
+    if not args.skip_roofline:   # once before the steps, once after (print_fractions): the better
+        from .roofline import measure_machine
+        measure_machine(args.threads, args.quick)
     print(f"decode step profile: {args.model} ({runner.dtype}, KV {runner.kv_dtype}), prompts of "
           f"{args.prompt_len} tokens, {args.steps} steps, "
           f"torch.compile {'on' if args.enable_torch_compile else 'off'}, load {os.getloadavg()[0]:.2f}")
@@ -144,8 +147,9 @@ def print_fractions(args, scheds: dict, results: dict) -> None:
     """Each row's decode rate as a fraction of the roofline: batch 1 against the bandwidth ceiling
     (weights only, and weights plus the KV cache read at this context), larger batches against
     the compute one."""
-    from .roofline import fraction_line, kv_bytes_per_step, roofline
-    print("\nagainst the roofline (plait bench roofline):")
+    from .roofline import fraction_line, kv_bytes_per_step, remeasure_machine, roofline
+    remeasure_machine(args.threads, args.quick)
+    print("\nagainst the roofline (plait bench roofline; the better of two measurements, before and after):")
     for quant, sched in scheds.items():
         dtype = str(sched.runner.dtype).removeprefix("torch.")
         r = roofline(args.model, dtype, None if quant == "none" else quant, args.threads, args.quick)

@@ -35,6 +35,19 @@ def test_roofline_quick(tiny_model_dirs, capsys):
     assert "batch-1 decode ceiling" in capsys.readouterr().out
 
 
+def test_remeasure_keeps_the_better_of_two(monkeypatch):
+    from plait.benchmarks import roofline as rl
+    reads, flops = iter([30.0, 20.0]), iter([5.0] * 8 + [7.0] * 8)
+    monkeypatch.setattr(rl, "_cache", {})
+    monkeypatch.setattr(rl, "measure_bandwidth", lambda size, reps: {"read_gbs": next(reads), "copy_gbs": 1.0})
+    monkeypatch.setattr(rl, "measure_matmul", lambda kind, m, n, k, reps: next(flops))
+    first = dict(rl.measure_machine(1, quick=True))
+    assert first["read_gbs"] == 30.0 and first["matmul_gflops"]["float32"][1] == 5.0
+    again = rl.remeasure_machine(1, quick=True)   # a slower bandwidth, faster matmuls: the better of each
+    assert again["read_gbs"] == 30.0 and all(v == 7.0 for row in again["matmul_gflops"].values() for v in row.values())
+    assert rl.measure_machine(1, quick=True) is again   # cached for the roofline() calls that follow
+
+
 def test_kv_bytes_per_step_is_the_pools_slot_size(tiny_model_dirs):
     from plait.benchmarks.roofline import kv_bytes_per_step
     from plait.runtime.memory_pool import KVPool
