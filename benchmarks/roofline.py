@@ -38,10 +38,10 @@ def _huge_page_floats(n: int):
     """n float32 in memory advised MADV_HUGEPAGE before first touch (as plait's weights are, see
     weight_arena); None where the kernel refuses."""
     import torch
-    from plait.runtime.weight_arena import HUGE_PAGE, _advise_huge
+    from plait.runtime.weight_arena import HUGE_PAGE, advise_huge
     raw = torch.empty(n * 4 + HUGE_PAGE, dtype=torch.uint8)
     skip = -raw.data_ptr() % HUGE_PAGE
-    if not _advise_huge(raw.data_ptr() + skip, n * 4):
+    if not advise_huge(raw.data_ptr() + skip, n * 4):
         return None
     return raw[skip:skip + n * 4].view(torch.float32).fill_(1.0)
 

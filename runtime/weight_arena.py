@@ -68,7 +68,9 @@ def _trim_heap() -> None:
         pass
 
 
-def _advise_huge(start: int, length: int) -> bool:
+def advise_huge(start: int, length: int) -> bool:
+    """madvise(MADV_HUGEPAGE) on [start, start + length) (start 2 MB-aligned, pages not yet touched);
+    whether the kernel took it."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
@@ -88,7 +90,7 @@ def consolidate(model: torch.nn.Module) -> torch.Tensor | None:
         return None
     raw = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)   # untouched pages: advised before the copies fault them in
     skip = -raw.data_ptr() % HUGE_PAGE
-    if not _advise_huge(raw.data_ptr() + skip, size):
+    if not advise_huge(raw.data_ptr() + skip, size):
         return None
     arena = raw[skip:skip + size]
     moved: dict[int, torch.Tensor] = {}
