@@ -35,15 +35,12 @@ def _best_seconds(fn, reps: int) -> float:
 
 
 def _huge_page_floats(n: int):
-    """n float32 in memory advised MADV_HUGEPAGE before first touch (as plait's weights are, see
-    weight_arena); None where the kernel refuses."""
+    """n float32 ones in huge pages (as plait's weights are, see weight_arena); None where the kernel
+    refuses them."""
     import torch
-    from plait.runtime.weight_arena import HUGE_PAGE, advise_huge
-    raw = torch.empty(n * 4 + HUGE_PAGE, dtype=torch.uint8)
-    skip = -raw.data_ptr() % HUGE_PAGE
-    if not advise_huge(raw.data_ptr() + skip, n * 4):
-        return None
-    return raw[skip:skip + n * 4].view(torch.float32).fill_(1.0)
+    from plait.runtime.weight_arena import huge_page_buffer
+    raw = huge_page_buffer(n * 4)
+    return None if raw is None else raw.view(torch.float32).fill_(1.0)
 
 
 def measure_bandwidth(size_mb: int = 512, reps: int = 5) -> dict:
@@ -88,12 +85,17 @@ def measure_matmul(kind: str, m: int, n: int = 2048, k: int = 2048, reps: int = 
     return 2 * m * n * k / seconds / 1e9
 
 
-def measure_machine(threads: int | None = None, quick: bool = False) -> dict:
-    """Bandwidth and matmul GFLOP/s per kind and M (cached per process and thread count)."""
+def _cache_key(threads: int | None, quick: bool) -> tuple[int, bool]:
+    """Sets the thread count (when given); the key of `_cache` for it."""
     import torch
     if threads:
         torch.set_num_threads(threads)
-    key = (torch.get_num_threads(), quick)
+    return torch.get_num_threads(), quick
+
+
+def measure_machine(threads: int | None = None, quick: bool = False) -> dict:
+    """Bandwidth and matmul GFLOP/s per kind and M (cached per process and thread count)."""
+    key = _cache_key(threads, quick)
     if key not in _cache:
         size, ms, dim = (32, (1, 32), 256) if quick else (512, MATMUL_MS, 2048)
         machine = {"threads": key[0], **measure_bandwidth(size, reps=2 if quick else 5), "matmul_gflops": {}}
@@ -107,11 +109,7 @@ def remeasure_machine(threads: int | None = None, quick: bool = False) -> dict:
     """Measure again and keep, for every figure, the higher of this and the cached measurement: a
     shared host's neighbours can hold a whole measurement down for seconds (bandwidth seen at 19
     and 33 GB/s minutes apart), and the limit is what the machine reached."""
-    import torch
-    if threads:
-        torch.set_num_threads(threads)
-    key = (torch.get_num_threads(), quick)
-    before = _cache.pop(key, None)
+    before = _cache.pop(_cache_key(threads, quick), None)
     now = measure_machine(threads, quick)
     if before is not None:
         for k, v in before.items():

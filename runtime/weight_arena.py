@@ -68,7 +68,7 @@ def _trim_heap() -> None:
         pass
 
 
-def advise_huge(start: int, length: int) -> bool:
+def _advise_huge(start: int, length: int) -> bool:
     """madvise(MADV_HUGEPAGE) on [start, start + length) (start 2 MB-aligned, pages not yet touched);
     whether the kernel took it."""
     try:
@@ -76,6 +76,14 @@ def advise_huge(start: int, length: int) -> bool:
         return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
     except (OSError, AttributeError):
         return False
+
+
+def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
+    """`nbytes` uint8, 2 MB-aligned, advised MADV_HUGEPAGE while still untouched (the first writes
+    fault them in as huge pages); None where the kernel refuses."""
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    skip = -raw.data_ptr() % HUGE_PAGE
+    return raw[skip:skip + nbytes] if _advise_huge(raw.data_ptr() + skip, nbytes) else None
 
 
 def consolidate(model: torch.nn.Module) -> torch.Tensor | None:
@@ -88,11 +96,9 @@ def consolidate(model: torch.nn.Module) -> torch.Tensor | None:
     layout, size = _layout(slots)
     if not layout:
         return None
-    raw = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)   # untouched pages: advised before the copies fault them in
-    skip = -raw.data_ptr() % HUGE_PAGE
-    if not advise_huge(raw.data_ptr() + skip, size):
+    arena = huge_page_buffer(size)
+    if arena is None:
         return None
-    arena = raw[skip:skip + size]
     moved: dict[int, torch.Tensor] = {}
     for i in range(len(slots)):
         module, kind, name, t = slots[i]
