@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu_kernels
+from . import cpu_kernels, weight_arena
 from .forward_batch import AttnGroup
 from .memory_pool import KVPool
 
@@ -248,9 +248,10 @@ class DecodeMirror:
         multiplied by zero weights, so they must be finite."""
         keep_r, keep_l = min(rows, self.capacity[0]), min(length, self.capacity[1])
         shape = (rows, self.kv_heads, length, self.head_dim)
-        for cache in (self.k, self.v):
+        fresh = self._allocate(shape)
+        for c, cache in enumerate((self.k, self.v)):
             for i in range(self.num_layers):
-                new = torch.zeros(shape, dtype=self.dtype)
+                new = fresh[2 * i + c]
                 if cache and keep_r and keep_l:
                     new[:keep_r, :, :keep_l] = cache[i][:keep_r, :, :keep_l]
                 if len(cache) > i:
@@ -264,6 +265,23 @@ class DecodeMirror:
         # A row cut short keeps only what fits: it stays usable while its prefix fits, else refills.
         self.lens[:keep_r] = lens[:keep_r].clamp(max=keep_l)
         self.mirror_row = {r: t for r, t in where.items() if t < keep_r}
+
+    def _allocate(self, shape: tuple[int, ...]) -> list[torch.Tensor]:
+        """Zeroed K and V blocks of `shape` for every layer (K0, V0, K1, ...: the order a step
+        reads them). On the CPU they are views of one buffer in 2 MB pages (weight_arena's): a
+        step streams the whole mirror, and in 4 KB pages each page is a TLB miss behind the
+        weights' stream and a stop for the hardware prefetcher; the first allocation also takes
+        ~500x fewer page faults (float32, 32 rows x 256: 60 blocks of 6.3 MB, 164 ms in 4 KB faults)."""
+        count, each = 2 * self.num_layers, shape[0] * shape[1] * shape[2] * shape[3]
+        buf = None
+        if self.pool.k[0].device.type == "cpu" and each:
+            itemsize = torch.empty(0, dtype=self.dtype).element_size()
+            raw = weight_arena.huge_page_buffer(count * each * itemsize)
+            buf = None if raw is None else raw.view(self.dtype)
+        if buf is None:
+            return [torch.zeros(shape, dtype=self.dtype, device=self.pool.k[0].device) for _ in range(count)]
+        buf.zero_()
+        return [buf[j * each:(j + 1) * each].view(shape) for j in range(count)]
 
     def release(self) -> None:
         """Free the mirror's memory; every row refills on next use."""

@@ -80,7 +80,9 @@ def _advise_huge(start: int, length: int) -> bool:
 
 def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
     """`nbytes` uint8, 2 MB-aligned, advised MADV_HUGEPAGE while still untouched (the first writes
-    fault them in as huge pages); None where the kernel refuses."""
+    fault them in as huge pages); None where the kernel refuses or the system is not Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
     skip = -raw.data_ptr() % HUGE_PAGE
     return raw[skip:skip + nbytes] if _advise_huge(raw.data_ptr() + skip, nbytes) else None

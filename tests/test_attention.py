@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from plait.runtime import cpu_kernels
+from plait.runtime import cpu_kernels, weight_arena
 from plait.runtime.attention import MirroredAttention, TorchNativeAttention
 from plait.runtime.forward_batch import ForwardBatch
 from plait.runtime.memory_pool import KVPool, ReqToTokenTable, TokenSlotAllocator
@@ -190,7 +190,14 @@ def test_mirror_grows_past_its_length_step_and_falls_back_over_budget():
     sim.step([(a, 250)])
     for _ in range(10):                                # crosses the 256-token capacity step
         sim.step([(a, 1)])
-    assert sim.backend.mirror.capacity[1] >= 261
+    mirror = sim.backend.mirror
+    assert mirror.capacity[1] >= 261
+    assert all(float(t[:, :, 262:].abs().max()) == 0 for t in mirror.k + mirror.v)   # fresh rows zeroed
+    if weight_arena.huge_page_buffer(1) is not None:   # one 2 MB-aligned huge-page buffer, in read order
+        first, each = mirror.k[0].data_ptr(), mirror.k[0].numel() * mirror.k[0].element_size()
+        assert first % weight_arena.HUGE_PAGE == 0
+        for i in range(LAYERS):
+            assert mirror.k[i].data_ptr() == first + 2 * i * each and mirror.v[i].data_ptr() == first + (2 * i + 1) * each
     tight = Sim(MirroredAttention, mirror_budget_bytes=1)
     r = tight.new()
     tight.step([(r, 8)])
