@@ -4,9 +4,12 @@ Drives a `Scheduler` in-process: `batch` requests with `prompt-len`-token prompt
 then `steps` decode steps are timed. Per step: the whole `step()`, the model forward inside it
 (`runner.forward`, wrapped), `ForwardBatch.build`, and the rest (scheduling, sampling, outputs).
 `--backend` swaps the attention backend to compare (old = the pre-mirror gather backend).
+`--breakdown` also times the parts of the fused decode op (`decode_layers_`: norms, projections,
+attention, ...) and prints each projection's weight stream in GB/s.
 
     plait bench step_profile [--batch 1 8 32] [--prompt-len 512] [--steps 8] [--backend mirror old]
     plait bench step_profile --dtype float32 --quantization none int8 int4   # weights compared, one run
+    plait bench step_profile --dtype bfloat16 --quantization int4 --batch 1 --breakdown
 """
 from __future__ import annotations
 
@@ -44,8 +47,10 @@ def make_backend(name: str, pool):
     return {"old": OldGatherAttention, "gather": TorchNativeAttention}[name](pool)
 
 
-def profile(sched, batch: int, prompt_len: int, steps: int, seed: int = 0) -> dict[str, float]:
-    """Prefill `batch` requests, then time `steps` decode steps; ms per step for each part."""
+def profile(sched, batch: int, prompt_len: int, steps: int, seed: int = 0, breakdown: bool = False) -> dict:
+    """Prefill `batch` requests, then time `steps` decode steps; ms per step for each part (and,
+    with `breakdown`, per part of the fused decode op where it ran: `parts_ms`, `fused_steps`)."""
+    from plait.runtime import cpu_kernels
     from plait.runtime.forward_batch import ForwardBatch
     from plait.runtime.request import GenerateInput
     from plait.runtime.sampling_params import SamplingParams
@@ -67,6 +72,7 @@ def profile(sched, batch: int, prompt_len: int, steps: int, seed: int = 0) -> di
     build = Timer(ForwardBatch.build)
     sched.runner.forward = forward
     ForwardBatch.build = build
+    timing_parts = breakdown and cpu_kernels.decode_profile_start()
     try:
         t, c = time.perf_counter(), time.process_time()
         for _ in range(steps):
@@ -75,11 +81,30 @@ def profile(sched, batch: int, prompt_len: int, steps: int, seed: int = 0) -> di
     finally:
         del sched.runner.forward
         ForwardBatch.build = original_build
+        fused, parts = cpu_kernels.decode_profile_stop() if timing_parts else (0, {})
     for rid in [r.rid for r in sched.running]:
         sched.abort_request(rid)
     ms = 1000 / steps
-    return {"step_ms": total * ms, "forward_ms": forward.total * ms, "build_ms": build.total * ms,
-            "scheduler_ms": (total - forward.total) * ms, "step_cpu_ms": cpu * ms}
+    out = {"step_ms": total * ms, "forward_ms": forward.total * ms, "build_ms": build.total * ms,
+           "scheduler_ms": (total - forward.total) * ms, "step_cpu_ms": cpu * ms}
+    if fused:
+        out.update(fused_steps=fused, parts_ms={k: 1000 * v / fused for k, v in parts.items()},
+                   projection_bytes=projection_bytes(sched.runner.model, batch, sched.runner.dtype))
+    return out
+
+
+def projection_bytes(model, rows: int, dtype) -> dict[str, int]:
+    """Bytes of weights each kind of projection streams in a decode step of `rows` rows, all layers
+    (what the fused op's plan holds for them)."""
+    plan = model._decode_plans.get((rows, dtype))
+    if not plan:
+        return {}
+    weights, per_layer = plan[0], 10   # norm, qkv (2), o (2), norm, gate_up (2), down (2)
+    out = {}
+    for name, i in (("qkv", 1), ("o", 3), ("gate_up", 6), ("down", 8)):
+        out[name] = sum(t.numel() * t.element_size() for l in range(0, len(weights), per_layer)
+                        for t in weights[l + i:l + i + 2])
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -96,6 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8", "int4", "fp8"],
                     help="weights; several: one scheduler each, their steps interleaved batch by batch")
     ap.add_argument("--skip-roofline", action="store_true", help="do not measure the machine's limits")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="time the fused decode op's parts (norms, projections, attention, ...)")
     ap.add_argument("--quick", action="store_true", help="the roofline at small sizes (a smoke test, not a measurement)")
     args = ap.parse_args(argv)
     from plait.runtime.scheduler import Scheduler
@@ -131,16 +158,38 @@ def main(argv: list[str] | None = None) -> dict:
         for b in batches:
             for quant, sched in scheds.items():   # interleaved: the machine's load drifts less between them
                 sched.flush_cache()
-                r = profile(sched, b, args.prompt_len, args.steps, seed=b)
+                r = profile(sched, b, args.prompt_len, args.steps, seed=b, breakdown=args.breakdown)
                 results[f"{name}/{b}" if len(scheds) == 1 else f"{name}/{quant}/{b}"] = r
                 share = 100 * r["scheduler_ms"] / r["step_ms"]
                 print(f"{name:>7} {quant:>7} {b:>5} | {r['step_ms']:>8.1f} {r['forward_ms']:>8.1f} "
                       f"{r['scheduler_ms']:>7.2f} {r['build_ms']:>8.2f} | {share:>6.1f}% | {r['step_cpu_ms']:>8.1f}",
                       flush=True)
         print(f"(load {os.getloadavg()[0]:.2f})")
+    if args.breakdown:
+        print_breakdown(results)
     if not args.skip_roofline:
         print_fractions(args, scheds, results)
     return results
+
+
+def print_breakdown(results: dict) -> None:
+    """The fused decode op's parts, ms per step, and each projection's weight stream in GB/s; then
+    the rest of the forward (embedding, LM head, sampling's logits) and the scheduler's share."""
+    from plait.runtime.cpu_kernels import DECODE_PARTS
+    rows = {k: r for k, r in results.items() if r.get("fused_steps")}
+    if not rows:
+        print("\n--breakdown: no step ran the fused decode op (kernels off, or a layer it does not run)")
+        return
+    print("\nthe fused decode op's parts, ms per step (projections: GB/s of their weights), then the rest")
+    print(f"{'run':>18} | " + " ".join(f"{p:>13}" for p in DECODE_PARTS) + f" | {'layers':>7} {'rest fwd':>8} {'sched':>6}")
+    for key, r in rows.items():
+        cells = []
+        for part in DECODE_PARTS:
+            ms, nbytes = r["parts_ms"][part], r["projection_bytes"].get(part)
+            cells.append(f"{ms:6.3f}" + (f" ({nbytes / ms / 1e6:4.1f})" if nbytes and ms > 0 else " " * 7))
+        layers = sum(r["parts_ms"].values())
+        print(f"{key:>18} | " + " ".join(f"{c:>13}" for c in cells)
+              + f" | {layers:7.3f} {r['forward_ms'] - layers:8.3f} {r['scheduler_ms']:6.3f}")
 
 
 def print_fractions(args, scheds: dict, results: dict) -> None:

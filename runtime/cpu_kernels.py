@@ -179,6 +179,25 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+# decode_layers_'s parts, in the order `decode_profile` returns them
+DECODE_PARTS = ("norms", "qkv", "rope+kv", "attention", "o", "gate_up", "silu", "down")
+
+
+def decode_profile_start() -> bool:
+    """Start timing `decode_layers_` by part (zeroed); False where the kernels do not run."""
+    if _state.get("ok", False) is not True:
+        return False
+    torch.ops.plait_cpu.decode_profile_(True)
+    return True
+
+
+def decode_profile_stop() -> tuple[int, dict[str, float]]:
+    """Stop timing; (`decode_layers_` calls timed, seconds per part summed over them)."""
+    got = torch.ops.plait_cpu.decode_profile().tolist()
+    torch.ops.plait_cpu.decode_profile_(False)
+    return int(got[0]), {part: us / 1e6 for part, us in zip(DECODE_PARTS, got[1:])}
+
+
 def int8_gemv_available() -> bool:
     """Whether `torch.ops.plait_cpu.int8_gemv` runs here: kernels built (`load()` called) for a
     CPU with AVX512-VNNI or AVX2."""

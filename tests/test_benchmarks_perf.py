@@ -66,6 +66,29 @@ def test_step_profile_prints_fractions(tiny_model_dirs, capsys):
     assert "batch 1:" in out and "with the 17-token KV cache" in out and "batch 2:" in out and "roofline" in out
 
 
+def test_step_profile_breaks_the_fused_op_down(tiny_model_dirs, capsys):
+    from plait.benchmarks.step_profile import main
+    from plait.runtime import cpu_kernels
+    res = main(["--model", tiny_model_dirs["llama"], "--dtype", "float32", "--batch", "1", "--prompt-len", "16",
+                "--steps", "3", "--threads", "1", "--skip-roofline", "--breakdown"])
+    out = capsys.readouterr().out
+    if not cpu_kernels.small_gemm_available(torch.float32):   # no fused op here: it says so
+        assert "no step ran the fused decode op" in out
+        return
+    r = res["mirror/1"]
+    assert r["fused_steps"] == 3                              # every timed step took the fused op
+    assert set(r["parts_ms"]) == set(cpu_kernels.DECODE_PARTS) and all(v >= 0 for v in r["parts_ms"].values())
+    assert 0 < sum(r["parts_ms"].values()) <= r["forward_ms"]   # the layers are part of the forward
+    from plait.runtime.model_loader import load_config
+    c = load_config(tiny_model_dirs["llama"])
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    qkv_out = (c.num_attention_heads + 2 * c.num_key_value_heads) * head_dim
+    for name, n, k in (("qkv", qkv_out, c.hidden_size), ("down", c.hidden_size, c.intermediate_size)):
+        padded = -(-n // 32) * 32                          # small_gemm's panels of 32 outputs, float32
+        assert r["projection_bytes"][name] == c.num_hidden_layers * padded * k * 4, name
+    assert "GB/s" in out and "attention" in out
+
+
 def test_quality_tiny(tiny_model_dirs, tmp_path):
     from plait.benchmarks.quality import main
     out = tmp_path / "q.json"

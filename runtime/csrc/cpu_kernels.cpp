@@ -2077,6 +2077,37 @@ void prefetch_kv_targets(const at::Tensor& pool_k, const at::Tensor& pool_v, con
   }
 }
 
+// Where decode_layers_'s time goes, summed per part over its calls while on (`plait bench step_profile
+// --breakdown`): a clock read between the parts (~25 ns each, ~9 a layer), none while off.
+constexpr int kDecodeParts = 8;   // norms, qkv, rope + K/V writes, attention, o, gate_up, silu, down
+struct DecodeProfile {
+  bool on = false;
+  int64_t calls = 0;
+  double us[kDecodeParts] = {};
+  std::chrono::steady_clock::time_point last;
+  void start() {
+    if (on) last = std::chrono::steady_clock::now(), ++calls;
+  }
+  void lap(int part) {   // the time since the last lap goes to `part`
+    if (!on) return;
+    const auto now = std::chrono::steady_clock::now();
+    us[part] += std::chrono::duration<double, std::micro>(now - last).count();
+    last = now;
+  }
+} g_decode_profile;
+
+// Turns the profile on (zeroed) or off.
+void decode_profile_(bool on) { g_decode_profile = DecodeProfile{}; g_decode_profile.on = on; }
+
+// float64 [1 + kDecodeParts]: decode_layers_ calls profiled, then microseconds per part summed.
+at::Tensor decode_profile() {
+  at::Tensor out = at::empty({1 + kDecodeParts}, at::kDouble);
+  double* p = out.data_ptr<double>();
+  p[0] = static_cast<double>(g_decode_profile.calls);
+  std::copy(g_decode_profile.us, g_decode_profile.us + kDecodeParts, p + 1);
+  return out;
+}
+
 at::Tensor decode_layers_(at::Tensor x, at::TensorList weights,
                           at::IntArrayRef kinds, const at::Tensor& cos, const at::Tensor& sin, at::TensorList pool_k,
                           at::TensorList pool_v, const at::Tensor& slots, at::TensorList mirror_k,
@@ -2099,6 +2130,8 @@ at::Tensor decode_layers_(at::Tensor x, at::TensorList weights,
       return buf;
     }
   } h, qkv, attn, o, gu, act, d;   // d: the previous layer's output, added to x by the next norm (none before layer 0)
+  DecodeProfile& prof = g_decode_profile;
+  prof.start();
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + 10 * l;
     const int64_t* kind = kinds.data() + 8 * l;
@@ -2106,19 +2139,28 @@ at::Tensor decode_layers_(at::Tensor x, at::TensorList weights,
                         mirror_at.data_ptr<int64_t>(), rows, kv_heads, head_dim);
     rms_norm_into(x, d.buf.defined() ? c10::optional<at::Tensor>(d.buf) : c10::nullopt, w[0], eps, h.of(x, x.size(1)));
     TORCH_CHECK(kind[1] == q_width + 2 * kv_width, "decode_layers_: qkv has the wrong width");
+    prof.lap(0);
     project_into(h.buf, kind, w[1], w[2], qkv.of(x, kind[1]));
+    prof.lap(1);
     rope_(qkv.buf, cos, sin, heads + kv_heads, head_dim);
     const at::Tensor k = qkv.buf.narrow(1, q_width, kv_width).view({rows, kv_heads, head_dim});
     const at::Tensor v = qkv.buf.narrow(1, q_width + kv_width, kv_width).view({rows, kv_heads, head_dim});
     kv_write_(pool_k[l], pool_v[l], slots, k, v, mirror_k[l], mirror_v[l], mirror_at);
     const at::Tensor q = qkv.buf.narrow(1, 0, q_width).view({rows, heads, head_dim});
     at::Tensor attn3 = attn.of(x, q_width).view({rows, heads, head_dim});
+    prof.lap(2);
     decode_attention_into(q, mirror_k[l], mirror_v[l], lens, scale, mirror_rows, attn3);
+    prof.lap(3);
     project_into(attn.buf, kind + 2, w[3], w[4], o.of(x, kind[3]));
+    prof.lap(4);
     rms_norm_into(x, o.buf, w[5], eps, h.buf);
+    prof.lap(0);
     project_into(h.buf, kind + 4, w[6], w[7], gu.of(x, kind[5]));
+    prof.lap(5);
     silu_mul_into(gu.buf, act.of(x, kind[5] / 2));
+    prof.lap(6);
     project_into(act.buf, kind + 6, w[8], w[9], d.of(x, kind[7]));
+    prof.lap(7);
   }
   return d.buf;
 }
@@ -2145,6 +2187,8 @@ TORCH_LIBRARY(plait_cpu, m) {
   m.def("shares_coverage(int n, int min_share, int chunk, int slow_us) -> Tensor");
   m.def("has_small_gemm(bool bf16) -> bool");
   m.def("bf16_panels_k_pairs() -> bool");
+  m.def("decode_profile_(bool on) -> ()");
+  m.def("decode_profile() -> Tensor");
   m.def("decode_layers_(Tensor(a!) x, Tensor[] weights, int[] kinds, Tensor cos, Tensor sin, "
         "Tensor(b!)[] pool_k, Tensor(c!)[] pool_v, Tensor slots, Tensor(d!)[] mirror_k, Tensor(e!)[] mirror_v, "
         "Tensor mirror_at, Tensor lens, Tensor? mirror_rows, int heads, int kv_heads, int head_dim, float eps, "
@@ -2155,6 +2199,8 @@ TORCH_LIBRARY(plait_cpu, m) {
 
 TORCH_LIBRARY_IMPL(plait_cpu, CompositeExplicitAutograd, m) {
   m.impl("has_int_gemv", &has_int_gemv);
+  m.impl("decode_profile_", &decode_profile_);
+  m.impl("decode_profile", &decode_profile);
   m.impl("has_int8_rows", &has_int8_rows);
   m.impl("int4_gemv_all_rows", &int4_gemv_all_rows);
   m.impl("shares_coverage", &shares_coverage);
