@@ -1260,7 +1260,7 @@ inline void load16_widened(const c10::BFloat16* w, __m256& w0, __m256& w1) {
 // the panel's end: the next panel, which follows it in memory), into L1. Such a pass reads a panel in
 // a few microseconds, too soon for the next panel spread over it into L2 to arrive: SmolLM2's 120
 // layer matrices and LM head at 1 row, two threads, the two ways alternated in one process, bfloat16
-// 12.5-13.3 vs 13.5-14.7 ms (medians of 30-40 rounds, three runs), float32 27.8-28.0 vs 28.7.
+// 12.5-13.3 vs 13.5-14.7 ms (medians of 30-40 rounds, three runs), float32 27.95 vs 28.65 (one run).
 constexpr int64_t kStreamAhead = 16;
 
 // MR rows of x (float32) against V x 8 columns of a panel (w: their first weight; k rows 32 weights
@@ -2078,7 +2078,8 @@ void prefetch_kv_targets(const at::Tensor& pool_k, const at::Tensor& pool_v, con
 }
 
 // Where decode_layers_'s time goes, summed per part over its calls while on (`plait bench step_profile
-// --breakdown`): a clock read between the parts (~25 ns each, ~9 a layer), none while off.
+// --breakdown`): a clock read between the parts (~25 ns each, ~9 a layer), none while off. One
+// process-wide record: decode_layers_ runs on the scheduler's thread only.
 constexpr int kDecodeParts = 8;   // norms, qkv, rope + K/V writes, attention, o, gate_up, silu, down
 struct DecodeProfile {
   bool on = false;
@@ -2086,7 +2087,9 @@ struct DecodeProfile {
   double us[kDecodeParts] = {};
   std::chrono::steady_clock::time_point last;
   void start() {
-    if (on) last = std::chrono::steady_clock::now(), ++calls;
+    if (!on) return;
+    last = std::chrono::steady_clock::now();
+    ++calls;
   }
   void lap(int part) {   // the time since the last lap goes to `part`
     if (!on) return;
