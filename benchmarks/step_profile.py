@@ -94,16 +94,16 @@ def profile(sched, batch: int, prompt_len: int, steps: int, seed: int = 0, break
 
 
 def projection_bytes(model, rows: int, dtype) -> dict[str, int]:
-    """Bytes of weights each kind of projection streams in a decode step of `rows` rows, all layers
-    (what the fused op's plan holds for them)."""
-    plan = model._decode_plans.get((rows, dtype))
-    if not plan:
-        return {}
-    weights, per_layer = plan[0], 10   # norm, qkv (2), o (2), norm, gate_up (2), down (2)
+    """Bytes each kind of projection streams in a decode step of `rows` rows, all layers: the
+    tensors its `decode_kernel` hands the fused op (weights and their bias or scales)."""
     out = {}
-    for name, i in (("qkv", 1), ("o", 3), ("gate_up", 6), ("down", 8)):
-        out[name] = sum(t.numel() * t.element_size() for l in range(0, len(weights), per_layer)
-                        for t in weights[l + i:l + i + 2])
+    for layer in model.layers:
+        for name, proj in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
+                           ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)):
+            spec = proj.decode_kernel(rows, dtype) if hasattr(proj, "decode_kernel") else None
+            if spec is None:
+                return {}
+            out[name] = out.get(name, 0) + sum(t.numel() * t.element_size() for t in spec[1:3] if t is not None)
     return out
 
 

@@ -275,8 +275,7 @@ class DecodeMirror:
         count, each = 2 * self.num_layers, shape[0] * shape[1] * shape[2] * shape[3]
         buf = None
         if self.pool.k[0].device.type == "cpu" and each:
-            itemsize = torch.empty(0, dtype=self.dtype).element_size()
-            raw = weight_arena.huge_page_buffer(count * each * itemsize)
+            raw = weight_arena.huge_page_buffer(count * each * self.dtype.itemsize)
             buf = None if raw is None else raw.view(self.dtype)
         if buf is None:
             return [torch.zeros(shape, dtype=self.dtype, device=self.pool.k[0].device) for _ in range(count)]

@@ -92,8 +92,6 @@ def consolidate(model: torch.nn.Module) -> torch.Tensor | None:
     """Move `model`'s large CPU weights into one huge-page buffer (see the module docstring);
     returns the buffer (the modules hold views of it), or None where nothing was moved: not Linux,
     no such weights, or the kernel refused MADV_HUGEPAGE (transparent huge pages off)."""
-    if not sys.platform.startswith("linux"):
-        return None
     slots: list = list(_slots(model))
     layout, size = _layout(slots)
     if not layout:

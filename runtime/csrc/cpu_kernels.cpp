@@ -1275,7 +1275,7 @@ inline void panel_cols_rows(const float* x, int64_t K, const T* w, const float* 
   for (int v = 0; v < V; ++v)
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) a[v][m] = _mm256_setzero_ps();
-  SpreadPrefetch ahead{pf, V == 4 ? 0 : pf_lines, K};
+  SpreadPrefetch ahead{pf, pf_lines, K};   // (V == 4: unused, fetching ahead in its own stream)
   for (int64_t k = 0; k < K; ++k) {
     if constexpr (V == 4) {   // a k row: 64 bytes of bfloat16, 128 of float32
       const char* a = reinterpret_cast<const char*>(w + (k + kStreamAhead) * kPanel);
@@ -1648,8 +1648,9 @@ void int8_rows_blocks(const int16_t* xq, const float* xs, const int8_t* w, const
       // 2 KB ahead (on into the next outputs' weights, which follow): the head at 1 row, min / median
       // of 12 alternating runs, 1.001 / 1.080 -> 0.920 / 0.992 ms (4 KB 0.955 / 1.021, 8 KB 0.930 / 1.024).
       // Non-temporal: read once a step, the head's 28 MB need not pass through L2 and L3 (bfloat16 + int4
-      // batch-1 steps, 512 keys, T0 vs NTA in every weight stream, alternated in one process, three runs: 8.54 / 6.00 / 6.87 vs
-      // 8.03 / 5.77 / 6.51 ms medians; the layers' parts unchanged, so the difference is the head's).
+      // batch-1 steps, 512 keys, T0 vs NTA in every weight stream, alternated in one process, three
+      // runs: 8.54 / 6.00 / 6.87 vs 8.03 / 5.77 / 6.51 ms medians; the layers' parts unchanged, so the
+      // difference is the head's).
       const char* ahead = reinterpret_cast<const char*>(wb + blk * 1024) + 2048;
       for (int l = 0; l < 16; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_NTA);
       __m256i dot[2][M];
