@@ -145,16 +145,18 @@ class MirroredAttention(TorchNativeAttention):
 
     def begin_fused_decode(self, batch: ForwardBatch) -> tuple | None:
         """Begin `batch`'s step ahead of its layers. On a steady decode step (see `_begin`), what
-        `cpu_kernels.decode_layers_` takes to write every layer's K/V and attend: (pool K, pool V,
-        slots, mirror K, mirror V, where the K/V rows go, mirror lengths, each batch row's mirror row
-        or None); else None, and the layers then call `forward` as usual (without beginning the step
+        `cpu_kernels.decode_layers_` takes to write every layer's K/V and attend: (a key that changes
+        whenever the blocks below are replaced, (pool K, pool V, mirror K, mirror V) per layer,
+        (slots, where the K/V rows go in the mirror, mirror lengths, each batch row's mirror row or
+        None)); else None, and the layers then call `forward` as usual (without beginning the step
         again)."""
         self._begin(batch)
         if not self._fused:
             self._begun = batch
             return None
-        return (self.pool.k, self.pool.v, batch.out_cache_loc, self.mirror.k, self.mirror.v, self._plan.keep_at,
-                self.mirror.lens, self._rows)
+        mirror = self.mirror
+        return ((mirror, mirror.generation), (self.pool.k, self.pool.v, mirror.k, mirror.v),
+                (batch.out_cache_loc, self._plan.keep_at, mirror.lens, self._rows))
 
     def _forward(self, q, k, v, layer_id, batch, scale):
         if not (self._fused and cpu_kernels.enabled(k)):

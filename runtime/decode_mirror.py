@@ -56,6 +56,7 @@ class DecodeMirror:
         self.clock = 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        self.generation = 0   # counts the replacements of the blocks in k / v (their holders compare it)
         self._reset_index(0, 0)
 
     def _reset_index(self, rows: int, length: int) -> None:
@@ -249,6 +250,7 @@ class DecodeMirror:
         keep_r, keep_l = min(rows, self.capacity[0]), min(length, self.capacity[1])
         shape = (rows, self.kv_heads, length, self.head_dim)
         fresh = self._allocate(shape)
+        self.generation += 1
         for c, cache in enumerate((self.k, self.v)):
             for i in range(self.num_layers):
                 new = fresh[2 * i + c]
@@ -285,4 +287,5 @@ class DecodeMirror:
     def release(self) -> None:
         """Free the mirror's memory; every row refills on next use."""
         self.k, self.v = [], []
+        self.generation += 1
         self._reset_index(0, 0)

@@ -392,11 +392,13 @@ def test_silu_mul_matches_eager(dtype, rows, inter):
         assert close.all() and (got == ref).float().mean() > 0.99
 
 
-def _decode_logits(path: str, fused: bool, rows: int, **args) -> tuple[list[torch.Tensor], int]:
-    """Every step's logits of `rows` greedy requests, with `decode_layers_` (`fused`) or the layer
-    loop; and how many steps took the fused op. With 2 or more rows the first request ends early:
-    the rest keep their mirror rows, which from 3 rows on leaves them in another order than the
-    batch's (request 2 moves into the gap)."""
+def _decode_logits(path: str, fused: bool, rows: int, prompt: int = 9, new: int = 9,
+                   **args) -> tuple[list[torch.Tensor], int]:
+    """Every step's logits of `rows` greedy requests (request i: a `prompt + 5 i`-token prompt,
+    `new` tokens), with `decode_layers_` (`fused`) or the layer loop; and how many steps took the
+    fused op. With 2 or more rows the first request ends early: the rest keep their mirror rows,
+    which from 3 rows on leaves them in another order than the batch's (request 2 moves into the
+    gap)."""
     from plait.runtime.request import GenerateInput
     from plait.runtime.sampling_params import SamplingParams
     from plait.runtime.scheduler import Scheduler
@@ -414,9 +416,9 @@ def _decode_logits(path: str, fused: bool, rows: int, **args) -> tuple[list[torc
     model._decode_layers = count
     model.forward = lambda *a: logits.append(forward(*a)) or logits[-1]
     for i in range(rows):
-        ids = [(37 * i + 11 * j) % 40000 + 100 for j in range(9 + 5 * i)]
+        ids = [(37 * i + 11 * j) % 40000 + 100 for j in range(prompt + 5 * i)]
         s.add_request(GenerateInput(rid=str(i), input_ids=ids, seed=i, params=SamplingParams(
-            max_new_tokens=4 if i == 0 and rows > 1 else 9, temperature=0, ignore_eos=True)))
+            max_new_tokens=4 if i == 0 and rows > 1 else new, temperature=0, ignore_eos=True)))
     while s.has_work():
         s.step()
     return logits, fused_steps[0]
@@ -436,6 +438,20 @@ def test_decode_layers_equals_the_layer_loop(tiny_model_dirs, arch, dtype, quant
     got, fused_steps = _decode_logits(tiny_model_dirs[arch], True, rows, **args)
     ref, none = _decode_logits(tiny_model_dirs[arch], False, rows, **args)
     assert none == 0 and fused_steps == len(got) - (2 if rows == 1 else 3), f"{fused_steps} of {len(got)} steps fused"
+    assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_decode_layers_follow_the_mirror_when_it_grows(tiny_model_dirs, monkeypatch):
+    """The op's fixed arguments are held across steps (a DecodePlan): when the mirror's blocks are
+    reallocated (a context outgrowing its 256 keys, rows kept), the very next step, still fused,
+    attends the new blocks."""
+    from plait.runtime.decode_mirror import DecodeMirror
+    grown, resize = [], DecodeMirror._resize
+    monkeypatch.setattr(DecodeMirror, "_resize", lambda self, rows, length: grown.append(length) or resize(self, rows, length))
+    got, fused_steps = _decode_logits(tiny_model_dirs["llama"], True, 1, prompt=248, new=16, dtype="float32")
+    assert len(grown) == 2 and grown[0] < grown[1], grown   # the first fill, then one growth mid-run
+    assert fused_steps == len(got) - 2   # all but the prefill and the first decode step
+    ref, _ = _decode_logits(tiny_model_dirs["llama"], False, 1, prompt=248, new=16, dtype="float32")
     assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
 
 

@@ -14,6 +14,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -2115,17 +2116,36 @@ at::Tensor decode_profile() {
   return out;
 }
 
-at::Tensor decode_layers_(at::Tensor x, at::TensorList weights,
-                          at::IntArrayRef kinds, const at::Tensor& cos, const at::Tensor& sin, at::TensorList pool_k,
-                          at::TensorList pool_v, const at::Tensor& slots, at::TensorList mirror_k,
-                          at::TensorList mirror_v, const at::Tensor& mirror_at, const at::Tensor& lens,
-                          const c10::optional<at::Tensor>& mirror_rows, int64_t heads, int64_t kv_heads,
-                          int64_t head_dim, double eps, double scale) {
-  const int64_t layers = pool_k.size();
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 10 * layers && static_cast<int64_t>(kinds.size()) == 8 * layers &&
-                  static_cast<int64_t>(pool_v.size()) == layers && static_cast<int64_t>(mirror_k.size()) == layers &&
-                  static_cast<int64_t>(mirror_v.size()) == layers,
-              "decode_layers_: per layer 10 weights, 8 kinds, a pool and a mirror for K and V");
+// decode_layers_'s arguments that stay the same from step to step (the weights, the pools, the
+// mirror's blocks until it is reallocated), held by Python across steps: passed as ~420 tensors a
+// call, converting them from Python objects cost ~0.1-0.2 ms of a batch-1 step.
+struct DecodePlan : torch::CustomClassHolder {
+  std::vector<at::Tensor> weights, pool_k, pool_v, mirror_k, mirror_v;
+  std::vector<int64_t> kinds;
+  int64_t heads, kv_heads, head_dim;
+  double eps, scale;
+  DecodePlan(std::vector<at::Tensor> weights, std::vector<int64_t> kinds, std::vector<at::Tensor> pool_k,
+             std::vector<at::Tensor> pool_v, std::vector<at::Tensor> mirror_k, std::vector<at::Tensor> mirror_v,
+             int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
+      : weights(std::move(weights)), pool_k(std::move(pool_k)), pool_v(std::move(pool_v)),
+        mirror_k(std::move(mirror_k)), mirror_v(std::move(mirror_v)), kinds(std::move(kinds)), heads(heads),
+        kv_heads(kv_heads), head_dim(head_dim), eps(eps), scale(scale) {
+    const size_t layers = this->pool_k.size();
+    TORCH_CHECK(this->weights.size() == 10 * layers && this->kinds.size() == 8 * layers &&
+                    this->pool_v.size() == layers && this->mirror_k.size() == layers && this->mirror_v.size() == layers,
+                "DecodePlan: per layer 10 weights, 8 kinds, a pool and a mirror for K and V");
+  }
+};
+
+at::Tensor decode_layers_(at::Tensor x, const c10::intrusive_ptr<DecodePlan>& plan, const at::Tensor& cos,
+                          const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& mirror_at,
+                          const at::Tensor& lens, const c10::optional<at::Tensor>& mirror_rows) {
+  const std::vector<at::Tensor> &weights = plan->weights, &pool_k = plan->pool_k, &pool_v = plan->pool_v,
+                                &mirror_k = plan->mirror_k, &mirror_v = plan->mirror_v;
+  const int64_t* const kinds = plan->kinds.data();
+  const int64_t layers = static_cast<int64_t>(pool_k.size()), heads = plan->heads, kv_heads = plan->kv_heads,
+                head_dim = plan->head_dim;
+  const double eps = plan->eps, scale = plan->scale;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decode_layers_: x must be contiguous [rows, hidden]");
   const int64_t rows = x.size(0), q_width = heads * head_dim, kv_width = kv_heads * head_dim;
   // The layers' intermediates, made once a step and rewritten by every layer (each is read before
@@ -2137,11 +2157,12 @@ at::Tensor decode_layers_(at::Tensor x, at::TensorList weights,
       return buf;
     }
   } h, qkv, attn, o, gu, act, d;   // d: the previous layer's output, added to x by the next norm (none before layer 0)
+  at::Tensor q, k, v, attn3;   // qkv's parts and attention's output as [rows, heads, head_dim]
   DecodeProfile& prof = g_decode_profile;
   prof.start();
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + 10 * l;
-    const int64_t* kind = kinds.data() + 8 * l;
+    const int64_t* kind = kinds + 8 * l;
     prefetch_kv_targets(pool_k[l], pool_v[l], mirror_k[l], mirror_v[l], slots.data_ptr<int64_t>(),
                         mirror_at.data_ptr<int64_t>(), rows, kv_heads, head_dim);
     rms_norm_into(x, d.buf.defined() ? c10::optional<at::Tensor>(d.buf) : c10::nullopt, w[0], eps, h.of(x, x.size(1)));
@@ -2150,11 +2171,13 @@ at::Tensor decode_layers_(at::Tensor x, at::TensorList weights,
     project_into(h.buf, kind, w[1], w[2], qkv.of(x, kind[1]));
     prof.lap(1);
     rope_(qkv.buf, cos, sin, heads + kv_heads, head_dim);
-    const at::Tensor k = qkv.buf.narrow(1, q_width, kv_width).view({rows, kv_heads, head_dim});
-    const at::Tensor v = qkv.buf.narrow(1, q_width + kv_width, kv_width).view({rows, kv_heads, head_dim});
+    if (l == 0) {   // views of buffers every layer rewrites: made once (each a few dispatched ops)
+      q = qkv.buf.narrow(1, 0, q_width).view({rows, heads, head_dim});
+      k = qkv.buf.narrow(1, q_width, kv_width).view({rows, kv_heads, head_dim});
+      v = qkv.buf.narrow(1, q_width + kv_width, kv_width).view({rows, kv_heads, head_dim});
+      attn3 = attn.of(x, q_width).view({rows, heads, head_dim});
+    }
     kv_write_(pool_k[l], pool_v[l], slots, k, v, mirror_k[l], mirror_v[l], mirror_at);
-    const at::Tensor q = qkv.buf.narrow(1, 0, q_width).view({rows, heads, head_dim});
-    at::Tensor attn3 = attn.of(x, q_width).view({rows, heads, head_dim});
     prof.lap(2);
     decode_attention_into(q, mirror_k[l], mirror_v[l], lens, scale, mirror_rows, attn3);
     prof.lap(3);
@@ -2196,10 +2219,12 @@ TORCH_LIBRARY(plait_cpu, m) {
   m.def("bf16_panels_k_pairs() -> bool");
   m.def("decode_profile_(bool on) -> ()");
   m.def("decode_profile() -> Tensor");
-  m.def("decode_layers_(Tensor(a!) x, Tensor[] weights, int[] kinds, Tensor cos, Tensor sin, "
-        "Tensor(b!)[] pool_k, Tensor(c!)[] pool_v, Tensor slots, Tensor(d!)[] mirror_k, Tensor(e!)[] mirror_v, "
-        "Tensor mirror_at, Tensor lens, Tensor? mirror_rows, int heads, int kv_heads, int head_dim, float eps, "
-        "float scale) -> Tensor");
+  m.class_<DecodePlan>("DecodePlan")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t, int64_t, double, double>());
+  // writes x, the pools' and the mirror's (the plan's) slots
+  m.def("decode_layers_(Tensor(a!) x, __torch__.torch.classes.plait_cpu.DecodePlan plan, Tensor cos, Tensor sin, "
+        "Tensor slots, Tensor mirror_at, Tensor lens, Tensor? mirror_rows) -> Tensor");
   m.def("kv_write_(Tensor(a!) pool_k, Tensor(b!) pool_v, Tensor slots, Tensor k, Tensor v, Tensor(c!)? mirror_k, "
         "Tensor(d!)? mirror_v, Tensor? mirror_at) -> ()");
 }

@@ -151,6 +151,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self._decode_plans: dict[tuple[int, torch.dtype], tuple | None] = {}
+        self._decode_handles: dict[tuple[int, torch.dtype], tuple] = {}   # (blocks' key, DecodePlan)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor | None:
@@ -182,15 +183,20 @@ class LlamaForCausalLM(nn.Module):
         state = begin(batch) if plan is not None else None
         if state is None:
             return None
-        attn = self.layers[0].self_attn
-        return torch.ops.plait_cpu.decode_layers_(
-            x, plan[0], plan[1], cos, sin, *state, attn.num_heads, attn.kv_heads, attn.head_dim,
-            self.layers[0].input_layernorm.eps, attn.scale)
+        blocks, (pool_k, pool_v, mirror_k, mirror_v), per_step = state
+        held = self._decode_handles.get(key)
+        if held is None or held[0] != blocks:   # the op's fixed arguments, held in C++ across steps
+            attn = self.layers[0].self_attn
+            held = self._decode_handles[key] = (blocks, torch.classes.plait_cpu.DecodePlan(
+                plan[0], plan[1], pool_k, pool_v, mirror_k, mirror_v, attn.num_heads, attn.kv_heads,
+                attn.head_dim, self.layers[0].input_layernorm.eps, attn.scale))
+        return torch.ops.plait_cpu.decode_layers_(x, held[1], cos, sin, *per_step)
 
     def forget_decode_plans(self) -> None:
         """Drop the cached `decode_layers_` plans (they hold the projections' tensors): call after
         replacing projections."""
         self._decode_plans.clear()
+        self._decode_handles.clear()
 
     def _decode_plan(self, rows: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[int]] | None:
         """`decode_layers_`'s weights and kinds for `rows` rows of `dtype`, or None where a layer
