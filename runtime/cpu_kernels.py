@@ -10,7 +10,9 @@ rows on int16 activations, also by VNNI (`quantization.py`); where the CPU has n
 Zen 4, Intel client cores) each of these has an 8-wide AVX2 path (small_gemm: half panels of 16 columns,
 6 rows of x a pass, bfloat16 weights widened by shifts; the integer GEMVs by vpmaddwd), so the
 same kernels run there (oneDNN has no bfloat16 path on such a CPU: `prepack.onednn_takes`); `decode_layers_`, a steady decode step's
-decoder layers in one op (the same kernels as the layer loop, in its order: models/llama.py);
+decoder layers in one op (the same kernels as the layer loop, in its order: models/llama.py), its
+fixed arguments in a `DecodePlan` held across steps, and `decode_step`, such a step from token ids
+to logits (embedding, layers, final norm, LM head);
 `mirror_steady_`, the decode mirror's book-keeping for such a step (decode_mirror.py); `argmax_rows`,
 greedy sampling.
 

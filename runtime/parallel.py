@@ -333,6 +333,20 @@ class ParallelLMHead(nn.Module):
         full = gather_last_dim(logits)
         return None if full is None else full[:, :self.vocab_size].float()
 
+    def decode_kernel(self, rows: int, dtype: torch.dtype) -> tuple | None:
+        """The head as `cpu_kernels.decode_step` runs it for `rows` rows of `dtype`, with the float32
+        logits `forward` returns: (kind, a, b, out_features) of its packed projection where that
+        runs small_gemm widening its output (kind 0) or an int8 kernel (2, 3, float32 out); None
+        elsewhere (tensor parallel, an unpacked head, another kernel)."""
+        packed = self.packed
+        if _tp.size != 1 or packed is None or not getattr(packed, "widens", False) or not hasattr(packed, "decode_kernel"):
+            return None
+        spec = packed.decode_kernel(rows, dtype)
+        from .prepack import PackedLinear   # kind 0 widens in PackedLinear's forward only
+        if spec is None or spec[0] not in (0, 2, 3) or (spec[0] == 0) != isinstance(packed, PackedLinear):
+            return None
+        return spec
+
     def prepack(self) -> None:
         """Hold the (local) weight in oneDNN's layout; CPU only."""
         from .prepack import PackedLinear

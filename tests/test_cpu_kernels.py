@@ -392,28 +392,31 @@ def test_silu_mul_matches_eager(dtype, rows, inter):
         assert close.all() and (got == ref).float().mean() > 0.99
 
 
-def _decode_logits(path: str, fused: bool, rows: int, prompt: int = 9, new: int = 9,
+def _decode_logits(path: str, fused: bool, rows: int, prompt: int = 9, new: int = 9, head_in_op: bool = True,
                    **args) -> tuple[list[torch.Tensor], int]:
     """Every step's logits of `rows` greedy requests (request i: a `prompt + 5 i`-token prompt,
     `new` tokens), with `decode_layers_` (`fused`) or the layer loop; and how many steps took the
     fused op. With 2 or more rows the first request ends early: the rest keep their mirror rows,
     which from 3 rows on leaves them in another order than the batch's (request 2 moves into the
-    gap)."""
+    gap). `head_in_op=False`: the LM head runs in Python after `decode_layers_`, not in `decode_step`."""
     from plait.runtime.request import GenerateInput
     from plait.runtime.sampling_params import SamplingParams
     from plait.runtime.scheduler import Scheduler
     from plait.runtime.server_args import ServerArgs
     s = Scheduler(ServerArgs(model=path, max_total_tokens=4096, max_running_requests=rows, **args))
-    model, logits, fused_steps = s.runner.model, [], [0]
+    model, logits, fused_steps, whole_steps = s.runner.model, [], [0], [0]
     if not fused:
         model._decode_plan = lambda *a: None
-    layers, forward = model._decode_layers, model.forward
+    if not head_in_op:
+        model.lm_head.decode_kernel = lambda *a: None
+    begin, forward = model._begin_fused_decode, model.forward
 
-    def count(*a):
-        out = layers(*a)
+    def count(*a):   # steps fused: their layers in one op, and from token ids to logits in one op
+        out = begin(*a)
         fused_steps[0] += out is not None
+        whole_steps[0] += out is not None and out[2]
         return out
-    model._decode_layers = count
+    model._begin_fused_decode = count
     model.forward = lambda *a: logits.append(forward(*a)) or logits[-1]
     for i in range(rows):
         ids = [(37 * i + 11 * j) % 40000 + 100 for j in range(prompt + 5 * i)]
@@ -421,6 +424,7 @@ def _decode_logits(path: str, fused: bool, rows: int, prompt: int = 9, new: int 
             max_new_tokens=4 if i == 0 and rows > 1 else new, temperature=0, ignore_eos=True)))
     while s.has_work():
         s.step()
+    assert whole_steps[0] == (fused_steps[0] if head_in_op else 0), "the LM head ran elsewhere than asked"
     return logits, fused_steps[0]
 
 
@@ -439,6 +443,16 @@ def test_decode_layers_equals_the_layer_loop(tiny_model_dirs, arch, dtype, quant
     ref, none = _decode_logits(tiny_model_dirs[arch], False, rows, **args)
     assert none == 0 and fused_steps == len(got) - (2 if rows == 1 else 3), f"{fused_steps} of {len(got)} steps fused"
     assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+@pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", "int4")])
+def test_decode_layers_with_the_head_outside_the_op(tiny_model_dirs, dtype, quantization):
+    """Where the LM head's kernel is not one of the op's (tensor parallel, another kernel), the
+    layers still run in one op and the head after it in Python: the same logits."""
+    args = dict(dtype=dtype, quantization=quantization)
+    got, fused_steps = _decode_logits(tiny_model_dirs["llama"], True, 2, head_in_op=False, **args)
+    ref, _ = _decode_logits(tiny_model_dirs["llama"], False, 2, **args)
+    assert fused_steps == len(got) - 3 and len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
 
 
 def test_decode_layers_follow_the_mirror_when_it_grows(tiny_model_dirs, monkeypatch):

@@ -22,6 +22,7 @@
 #include <chrono>
 #include <thread>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -2124,6 +2125,28 @@ struct DecodePlan : torch::CustomClassHolder {
   std::vector<int64_t> kinds;
   int64_t heads, kv_heads, head_dim;
   double eps, scale;
+  // The step's ends, for decode_step (set_ends; head_kind empty until then): the token embedding
+  // [vocab, hidden], RoPE's float32 tables [positions, head_dim], the final norm and the LM head as
+  // a projection (kind, out_features; a, b).
+  at::Tensor embed, rope_cos, rope_sin, final_norm, head_a, head_b;
+  std::vector<int64_t> head_kind;
+  double final_eps = 0;
+  void set_ends(at::Tensor embed_, at::Tensor cos, at::Tensor sin, at::Tensor norm, double norm_eps, int64_t kind,
+                int64_t out_features, at::Tensor a, at::Tensor b) {
+    TORCH_CHECK(embed_.dim() == 2 && embed_.is_contiguous() && cos.dim() == 2 && cos.is_contiguous() &&
+                    sin.sizes() == cos.sizes() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                    sin.scalar_type() == at::kFloat && cos.size(1) == head_dim,
+                "DecodePlan.set_ends: a contiguous [vocab, hidden] embedding and float32 [positions, head_dim] RoPE tables");
+    TORCH_CHECK(kind == 0 || kind == 2 || kind == 3, "DecodePlan.set_ends: the head runs small_gemm, int8_gemv or int8_rows");
+    embed = std::move(embed_);
+    rope_cos = std::move(cos);
+    rope_sin = std::move(sin);
+    final_norm = std::move(norm);
+    final_eps = norm_eps;
+    head_kind = {kind, out_features};
+    head_a = std::move(a);
+    head_b = std::move(b);
+  }
   DecodePlan(std::vector<at::Tensor> weights, std::vector<int64_t> kinds, std::vector<at::Tensor> pool_k,
              std::vector<at::Tensor> pool_v, std::vector<at::Tensor> mirror_k, std::vector<at::Tensor> mirror_v,
              int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
@@ -2195,6 +2218,45 @@ at::Tensor decode_layers_(at::Tensor x, const c10::intrusive_ptr<DecodePlan>& pl
   return d.buf;
 }
 
+// A steady decode step from token ids to float32 logits [rows, out_features]: the embedding rows and
+// RoPE's rows at `positions` copied, decode_layers_, the final norm (the residual add fused) and the
+// LM head, as the model's forward runs them (the same kernels: the same logits). In Python these
+// ends cost ~0.2-0.4 ms of a batch-1 step: each op's code is cold after the weights' stream.
+at::Tensor decode_step(const at::Tensor& ids, const at::Tensor& positions, const c10::intrusive_ptr<DecodePlan>& plan,
+                       const at::Tensor& slots, const at::Tensor& mirror_at, const at::Tensor& lens,
+                       const c10::optional<at::Tensor>& mirror_rows) {
+  TORCH_CHECK(!plan->head_kind.empty(), "decode_step: the plan has no ends (DecodePlan.set_ends)");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && ids.dim() == 1 &&
+                  ids.is_contiguous() && positions.is_contiguous() && positions.numel() == ids.numel(),
+              "decode_step: ids and positions must be int64 [rows]");
+  const at::Tensor &embed = plan->embed, &rope_cos = plan->rope_cos, &rope_sin = plan->rope_sin;
+  const int64_t rows = ids.numel(), vocab = embed.size(0), hidden = embed.size(1), D = rope_cos.size(1);
+  at::Tensor x = at::empty({rows, hidden}, embed.options());
+  at::Tensor cos = at::empty({rows, D}, rope_cos.options()), sin = at::empty({rows, D}, rope_sin.options());
+  const int64_t *ip = ids.data_ptr<int64_t>(), *pp = positions.data_ptr<int64_t>();
+  const int64_t row_bytes = hidden * static_cast<int64_t>(embed.element_size());
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(ip[r] >= 0 && ip[r] < vocab, "decode_step: token id ", ip[r], " out of range");
+    TORCH_CHECK(pp[r] >= 0 && pp[r] < rope_cos.size(0), "decode_step: position ", pp[r], " out of range");
+    std::memcpy(static_cast<char*>(x.data_ptr()) + r * row_bytes,
+                static_cast<const char*>(embed.data_ptr()) + ip[r] * row_bytes, row_bytes);
+    std::memcpy(cos.data_ptr<float>() + r * D, rope_cos.data_ptr<float>() + pp[r] * D, D * sizeof(float));
+    std::memcpy(sin.data_ptr<float>() + r * D, rope_sin.data_ptr<float>() + pp[r] * D, D * sizeof(float));
+  }
+  const at::Tensor d = decode_layers_(x, plan, cos, sin, slots, mirror_at, lens, mirror_rows);
+  at::Tensor h, logits;
+  rms_norm_into(x, d, plan->final_norm, plan->final_eps, h);
+  const int64_t* kind = plan->head_kind.data();
+  if (kind[0] == 0) {   // logits widened as written, as PackedLinear's forward(widen=True)
+    const c10::optional<at::Tensor> bias = plan->head_b.numel() ? c10::optional<at::Tensor>(plan->head_b) : c10::nullopt;
+    small_gemm_into(h, plan->head_a, bias, kind[1], true, logits);
+  } else {              // the int8 kernels' float32 output, as Int8Linear's forward(widen=True)
+    logits = at::empty({rows, kind[1]}, h.options().dtype(at::kFloat));
+    project_into(h, kind, plan->head_a, plan->head_b, logits);
+  }
+  return logits;
+}
+
 
 }  // namespace
 
@@ -2221,10 +2283,13 @@ TORCH_LIBRARY(plait_cpu, m) {
   m.def("decode_profile() -> Tensor");
   m.class_<DecodePlan>("DecodePlan")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                       std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t, int64_t, double, double>());
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t, int64_t, double, double>())
+      .def("set_ends", &DecodePlan::set_ends);
   // writes x, the pools' and the mirror's (the plan's) slots
   m.def("decode_layers_(Tensor(a!) x, __torch__.torch.classes.plait_cpu.DecodePlan plan, Tensor cos, Tensor sin, "
         "Tensor slots, Tensor mirror_at, Tensor lens, Tensor? mirror_rows) -> Tensor");
+  m.def("decode_step(Tensor ids, Tensor positions, __torch__.torch.classes.plait_cpu.DecodePlan plan, Tensor slots, "
+        "Tensor mirror_at, Tensor lens, Tensor? mirror_rows) -> Tensor");
   m.def("kv_write_(Tensor(a!) pool_k, Tensor(b!) pool_v, Tensor slots, Tensor k, Tensor v, Tensor(c!)? mirror_k, "
         "Tensor(d!)? mirror_v, Tensor? mirror_at) -> ()");
 }
@@ -2252,6 +2317,7 @@ TORCH_LIBRARY_IMPL(plait_cpu, CPU, m) {
   m.impl("int4_gemv", &int4_gemv);
   m.impl("kv_write_", &kv_write_);
   m.impl("decode_layers_", &decode_layers_);
+  m.impl("decode_step", &decode_step);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("mirror_steady_", &mirror_steady_);
 }

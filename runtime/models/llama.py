@@ -155,10 +155,14 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor | None:
+        fused = self._begin_fused_decode(batch, backend)
+        if fused is not None and fused[2] and batch.logits_all:   # token ids to logits in one op
+            return torch.ops.plait_cpu.decode_step(batch.input_ids, batch.positions, fused[0], *fused[1])
         x, delta = self.embed_tokens(batch.input_ids), None
         cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
-        delta = self._decode_layers(x, cos, sin, batch, backend)
-        if delta is None:
+        if fused is not None:
+            delta = torch.ops.plait_cpu.decode_layers_(x, fused[0], cos, sin, *fused[1])
+        else:
             for layer in self.layers:
                 x, delta = layer(x, delta, cos, sin, batch, backend)
         if batch.logits_all:   # every row's logits (decode): no gather of 2 x [rows, hidden]
@@ -166,17 +170,19 @@ class LlamaForCausalLM(nn.Module):
         idx = batch.logits_index
         return self.lm_head(self.norm(x.index_select(0, idx), delta.index_select(0, idx)))
 
-    def _decode_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-                       backend: AttentionBackend) -> torch.Tensor | None:
-        """A steady decode step's layers in one `cpu_kernels.decode_layers_` call: the kernels the
-        layer loop would run, in its order, without ~10 Python module calls a layer between them
-        (the same results; ~2 ms less a batch-1 step of SmolLM2). Updates the residual stream `x` in
-        place and returns the last layer's output; None (nothing done) where the loop must run:
-        prefill, drafts, a mirror row refilled, a projection whose kernel is not one of the op's."""
+    def _begin_fused_decode(self, batch: ForwardBatch, backend: AttentionBackend) -> tuple | None:
+        """A steady decode step runs its layers in one `cpu_kernels.decode_layers_` call (the kernels
+        the layer loop would run, in its order, without ~10 Python module calls a layer between them:
+        the same results, ~2 ms less a batch-1 step of SmolLM2), and where the LM head's kernel is
+        one of the op's, from token ids to logits in one `decode_step` call. Returns (the op's
+        `DecodePlan`, this step's tensors, whether the plan has the step's ends), the step begun;
+        None where the layer loop must run (prefill, drafts, a mirror row refilled, a projection
+        whose kernel is not one of the op's), the step then begun or not as the loop expects."""
         begin = getattr(backend, "begin_fused_decode", None)
-        if begin is None or not cpu_kernels.enabled(x) or torch.compiler.is_compiling():
+        embed = self.embed_tokens.weight
+        if begin is None or not cpu_kernels.enabled(embed) or torch.compiler.is_compiling():
             return None
-        key = (x.shape[0], x.dtype)
+        key = (batch.input_ids.shape[0], embed.dtype)
         if key not in self._decode_plans:
             self._decode_plans[key] = self._decode_plan(*key)
         plan = self._decode_plans[key]
@@ -186,11 +192,24 @@ class LlamaForCausalLM(nn.Module):
         blocks, (pool_k, pool_v, mirror_k, mirror_v), per_step = state
         held = self._decode_handles.get(key)
         if held is None or held[0] != blocks:   # the op's fixed arguments, held in C++ across steps
-            attn = self.layers[0].self_attn
-            held = self._decode_handles[key] = (blocks, torch.classes.plait_cpu.DecodePlan(
-                plan[0], plan[1], pool_k, pool_v, mirror_k, mirror_v, attn.num_heads, attn.kv_heads,
-                attn.head_dim, self.layers[0].input_layernorm.eps, attn.scale))
-        return torch.ops.plait_cpu.decode_layers_(x, held[1], cos, sin, *per_step)
+            held = self._decode_handles[key] = (blocks, *self._make_decode_handle(key, plan, state[1]))
+        return held[1], per_step, held[2]
+
+    def _make_decode_handle(self, key: tuple[int, torch.dtype], plan: tuple, blocks: tuple) -> tuple:
+        """(a `DecodePlan` of `plan`'s weights and the backend's `blocks`, whether it has the ends)."""
+        attn = self.layers[0].self_attn
+        handle = torch.classes.plait_cpu.DecodePlan(
+            plan[0], plan[1], *blocks, attn.num_heads, attn.kv_heads, attn.head_dim,
+            self.layers[0].input_layernorm.eps, attn.scale)
+        head = self.lm_head.decode_kernel(*key) if hasattr(self.lm_head, "decode_kernel") else None
+        embed = self.embed_tokens.weight
+        ends = (head is not None and self.norm.weight.dtype == key[1] and embed.is_contiguous()
+                and embed.shape[0] == self.config.vocab_size)
+        if ends:
+            kind, a, b, n = head
+            handle.set_ends(embed, self.rope_cos, self.rope_sin, self.norm.weight, self.norm.eps, kind, n, a,
+                            torch.empty(0) if b is None else b)
+        return handle, ends
 
     def forget_decode_plans(self) -> None:
         """Drop the cached `decode_layers_` plans (they hold the projections' tensors): call after
