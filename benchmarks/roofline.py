@@ -63,6 +63,23 @@ def measure_bandwidth(size_mb: int = 512, reps: int = 5) -> dict:
     return out
 
 
+class BandwidthProbe:
+    """A short read-bandwidth measurement (a 2-thread sum of `size_mb` in huge pages where the
+    kernel gives them, best of `reps`, ~40 ms) to take next to a timed run. On a shared host the
+    bandwidth a process gets drifts by a third within minutes (a 256 MB sum 23-27 and 32-42 GB/s
+    an hour apart here), so a batch-1 rate is also compared with the bandwidth read around it, not
+    only with the best seen at some other minute. Holds its buffer between measurements."""
+
+    def __init__(self, size_mb: int = 256):
+        import torch
+        n = size_mb * 2**20 // 4
+        buf = _huge_page_floats(n)
+        self.buf = buf if buf is not None else torch.ones(n)
+
+    def read_gbs(self, reps: int = 3) -> float:
+        return self.buf.numel() * 4 / _best_seconds(lambda: self.buf.sum(), reps) / 1e9
+
+
 def measure_matmul(kind: str, m: int, n: int = 2048, k: int = 2048, reps: int = 5) -> float:
     """GFLOP/s of `[m, k] x [k, n]` for kind float32 / bfloat16 (prepacked oneDNN when available,
     as plait runs them), int8 or int4 (plait's Int8Linear / Int4Linear)."""

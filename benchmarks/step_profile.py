@@ -5,7 +5,9 @@ then `steps` decode steps are timed. Per step: the whole `step()`, the model for
 (`runner.forward`, wrapped), `ForwardBatch.build`, and the rest (scheduling, sampling, outputs).
 `--backend` swaps the attention backend to compare (old = the pre-mirror gather backend).
 `--breakdown` also times the parts of the fused decode op (`decode_layers_`: norms, projections,
-attention, ...) and prints each projection's weight stream in GB/s.
+attention, ...) and prints each projection's weight stream in GB/s. Batch 1 is also compared with
+the read bandwidth measured around each of `--paired-rounds` rounds of its steps (on a shared host
+that bandwidth drifts by a third within minutes; the roofline line keeps the best measured).
 
     plait bench step_profile [--batch 1 8 32] [--prompt-len 512] [--steps 8] [--backend mirror old]
     plait bench step_profile --dtype float32 --quantization none int8 int4   # weights compared, one run
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import time
 
 from plait.runtime.server_args import ServerArgs, set_openmp_defaults
@@ -47,9 +50,13 @@ def make_backend(name: str, pool):
     return {"old": OldGatherAttention, "gather": TorchNativeAttention}[name](pool)
 
 
-def profile(sched, batch: int, prompt_len: int, steps: int, seed: int = 0, breakdown: bool = False) -> dict:
+def profile(sched, batch: int, prompt_len: int, steps: int, seed: int = 0, breakdown: bool = False,
+            probe=None, rounds: int = 1) -> dict:
     """Prefill `batch` requests, then time `steps` decode steps; ms per step for each part (and,
-    with `breakdown`, per part of the fused decode op where it ran: `parts_ms`, `fused_steps`)."""
+    with `breakdown`, per part of the fused decode op where it ran: `parts_ms`, `fused_steps`).
+    With a `probe` (roofline.BandwidthProbe) the steps run in `rounds` rounds with the read
+    bandwidth measured before the first and after each: `paired`, (ms per step, mean GB/s of the
+    measurements around it) per round."""
     from plait.runtime import cpu_kernels
     from plait.runtime.forward_batch import ForwardBatch
     from plait.runtime.request import GenerateInput
@@ -73,11 +80,21 @@ def profile(sched, batch: int, prompt_len: int, steps: int, seed: int = 0, break
     sched.runner.forward = forward
     ForwardBatch.build = build
     timing_parts = breakdown and cpu_kernels.decode_profile_start()
+    rounds = max(1, min(rounds, steps)) if probe is not None else 1
+    paired, total, cpu = [], 0.0, 0.0
     try:
-        t, c = time.perf_counter(), time.process_time()
-        for _ in range(steps):
-            sched.step()
-        total, cpu = time.perf_counter() - t, time.process_time() - c
+        before = probe.read_gbs() if probe is not None else None
+        for r in range(rounds):
+            n = steps * (r + 1) // rounds - steps * r // rounds
+            t, c = time.perf_counter(), time.process_time()
+            for _ in range(n):
+                sched.step()
+            seconds = time.perf_counter() - t
+            total, cpu = total + seconds, cpu + time.process_time() - c
+            if probe is not None:
+                after = probe.read_gbs()
+                paired.append((1000 * seconds / n, (before + after) / 2))
+                before = after
     finally:
         del sched.runner.forward
         ForwardBatch.build = original_build
@@ -87,6 +104,8 @@ def profile(sched, batch: int, prompt_len: int, steps: int, seed: int = 0, break
     ms = 1000 / steps
     out = {"step_ms": total * ms, "forward_ms": forward.total * ms, "build_ms": build.total * ms,
            "scheduler_ms": (total - forward.total) * ms, "step_cpu_ms": cpu * ms}
+    if paired:
+        out["paired"] = paired
     if fused:
         out.update(fused_steps=fused, parts_ms={k: 1000 * v / fused for k, v in parts.items()},
                    projection_bytes=projection_bytes(sched.runner.model, batch, sched.runner.dtype))
@@ -124,6 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--breakdown", action="store_true",
                     help="time the fused decode op's parts (norms, projections, attention, ...)")
     ap.add_argument("--quick", action="store_true", help="the roofline at small sizes (a smoke test, not a measurement)")
+    ap.add_argument("--paired-rounds", type=int, default=8,
+                    help="batch 1: the steps in this many rounds, the read bandwidth measured around each (0: off)")
     args = ap.parse_args(argv)
     from plait.runtime.scheduler import Scheduler
     batches = sorted(args.batch)
@@ -138,9 +159,12 @@ def main(argv: list[str] | None = None) -> dict:
                            quantization=None if quant == "none" else quant)
         scheds[quant] = Scheduler(sargs)
     runner = next(iter(scheds.values())).runner
+    probe = None
     if not args.skip_roofline:   # once before the steps, once after (print_fractions): the better
-        from .roofline import measure_machine
+        from .roofline import BandwidthProbe, measure_machine
         measure_machine(args.threads, args.quick)
+        if args.paired_rounds > 0 and 1 in batches:
+            probe = BandwidthProbe(16 if args.quick else 256)
     print(f"decode step profile: {args.model} ({runner.dtype}, KV {runner.kv_dtype}), prompts of "
           f"{args.prompt_len} tokens, {args.steps} steps, "
           f"torch.compile {'on' if args.enable_torch_compile else 'off'}, load {os.getloadavg()[0]:.2f}")
@@ -158,7 +182,8 @@ def main(argv: list[str] | None = None) -> dict:
         for b in batches:
             for quant, sched in scheds.items():   # interleaved: the machine's load drifts less between them
                 sched.flush_cache()
-                r = profile(sched, b, args.prompt_len, args.steps, seed=b, breakdown=args.breakdown)
+                r = profile(sched, b, args.prompt_len, args.steps, seed=b, breakdown=args.breakdown,
+                            probe=probe if b == 1 else None, rounds=args.paired_rounds)
                 results[f"{name}/{b}" if len(scheds) == 1 else f"{name}/{quant}/{b}"] = r
                 share = 100 * r["scheduler_ms"] / r["step_ms"]
                 print(f"{name:>7} {quant:>7} {b:>5} | {r['step_ms']:>8.1f} {r['forward_ms']:>8.1f} "
@@ -215,8 +240,22 @@ def print_fractions(args, scheds: dict, results: dict) -> None:
             if batch == 1:
                 print(f"{fraction_line(label, tok_s, r['batch1_tok_s'])} (weights); "
                       f"{tok_s / with_kv:.0%} of {with_kv:.1f} with the {context}-token KV cache")
+                if res.get("paired"):
+                    print("  " + paired_line(res["paired"], r["bytes_per_token"], kv))
             else:
                 print(fraction_line(label, tok_s, r["large_batch_tok_s"]))
+
+
+def paired_line(paired: list[tuple[float, float]], weight_bytes: int, kv_bytes: int) -> str:
+    """Batch 1 against the bandwidth read around each round: the median fraction (and range) of
+    the rounds, weights only and with the KV cache."""
+    def fractions(nbytes: int) -> list[float]:
+        return sorted(nbytes / (ms / 1000) / (gbs * 1e9) for ms, gbs in paired)
+    weights, with_kv = fractions(weight_bytes), fractions(weight_bytes + kv_bytes)
+    gbs = [g for _, g in paired]
+    return (f"paired: {statistics.median(weights):.0%} ({weights[0]:.0%}-{weights[-1]:.0%}) of the bandwidth read "
+            f"around each of {len(paired)} rounds ({min(gbs):.1f}-{max(gbs):.1f} GB/s; weights); "
+            f"{statistics.median(with_kv):.0%} with the KV cache")
 
 
 if __name__ == "__main__":

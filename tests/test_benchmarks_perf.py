@@ -64,6 +64,17 @@ def test_step_profile_prints_fractions(tiny_model_dirs, capsys):
     assert set(res) == {"mirror/1", "mirror/2"} and all(r["step_ms"] > 0 for r in res.values())
     out = capsys.readouterr().out
     assert "batch 1:" in out and "with the 17-token KV cache" in out and "batch 2:" in out and "roofline" in out
+    # batch 1 in rounds (at most one a step), the bandwidth read around each; larger batches not
+    assert len(res["mirror/1"]["paired"]) == 2 and "paired" not in res["mirror/2"]
+    assert all(ms > 0 and gbs > 0 for ms, gbs in res["mirror/1"]["paired"]) and "paired: " in out
+
+
+def test_paired_fractions_take_each_rounds_own_bandwidth():
+    from plait.benchmarks.step_profile import paired_line
+    # 100 MB a token: 10 ms at 20 GB/s and 40 ms at 5 GB/s are both half the bandwidth of their
+    # round; against the best bandwidth (20 GB/s) the slow round would read as an eighth
+    line = paired_line([(10.0, 20.0), (40.0, 5.0), (10.0, 10.0)], 100_000_000, 100_000_000)
+    assert line.startswith("paired: 50% (50%-100%)") and "5.0-20.0 GB/s" in line and "100% with the KV cache" in line
 
 
 def test_step_profile_breaks_the_fused_op_down(tiny_model_dirs, capsys):
