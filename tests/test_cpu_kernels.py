@@ -393,17 +393,20 @@ def test_silu_mul_matches_eager(dtype, rows, inter):
 
 
 def _decode_logits(path: str, fused: bool, rows: int, prompt: int = 9, new: int = 9, head_in_op: bool = True,
-                   **args) -> tuple[list[torch.Tensor], int]:
+                   keep: dict | None = None, **args) -> tuple[list[torch.Tensor], int]:
     """Every step's logits of `rows` greedy requests (request i: a `prompt + 5 i`-token prompt,
     `new` tokens), with `decode_layers_` (`fused`) or the layer loop; and how many steps took the
     fused op. With 2 or more rows the first request ends early: the rest keep their mirror rows,
     which from 3 rows on leaves them in another order than the batch's (request 2 moves into the
-    gap). `head_in_op=False`: the LM head runs in Python after `decode_layers_`, not in `decode_step`."""
+    gap). `head_in_op=False`: the LM head runs in Python after `decode_layers_`, not in `decode_step`.
+    `keep`: gets the scheduler ("sched")."""
     from plait.runtime.request import GenerateInput
     from plait.runtime.sampling_params import SamplingParams
     from plait.runtime.scheduler import Scheduler
     from plait.runtime.server_args import ServerArgs
     s = Scheduler(ServerArgs(model=path, max_total_tokens=4096, max_running_requests=rows, **args))
+    if keep is not None:
+        keep["sched"] = s
     model, logits, fused_steps, whole_steps = s.runner.model, [], [0], [0]
     if not fused:
         model._decode_plan = lambda *a: None
@@ -455,17 +458,22 @@ def test_decode_layers_with_the_head_outside_the_op(tiny_model_dirs, dtype, quan
     assert fused_steps == len(got) - 3 and len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
 
 
-def test_decode_layers_follow_the_mirror_when_it_grows(tiny_model_dirs, monkeypatch):
+@pytest.mark.parametrize("rows", [1, 2])
+def test_decode_layers_follow_the_mirror_when_it_grows(tiny_model_dirs, monkeypatch, rows):
     """The op's fixed arguments are held across steps (a DecodePlan): when the mirror's blocks are
     reallocated (a context outgrowing its 256 keys, rows kept), the very next step, still fused,
-    attends the new blocks."""
+    attends the new blocks, and no plan keeps the old ones (2 rows: the first request leaves
+    before the growth, its row count's plan must go too)."""
     from plait.runtime.decode_mirror import DecodeMirror
     grown, resize = [], DecodeMirror._resize
     monkeypatch.setattr(DecodeMirror, "_resize", lambda self, rows, length: grown.append(length) or resize(self, rows, length))
-    got, fused_steps = _decode_logits(tiny_model_dirs["llama"], True, 1, prompt=248, new=16, dtype="float32")
+    keep = {}
+    got, fused_steps = _decode_logits(tiny_model_dirs["llama"], True, rows, prompt=248, new=16, keep=keep, dtype="float32")
     assert len(grown) == 2 and grown[0] < grown[1], grown   # the first fill, then one growth mid-run
-    assert fused_steps == len(got) - 2   # all but the prefill and the first decode step
-    ref, _ = _decode_logits(tiny_model_dirs["llama"], False, 1, prompt=248, new=16, dtype="float32")
+    mirror = keep["sched"].runner.backend.mirror   # no plan holds the replaced blocks (their memory)
+    assert [h[0] for h in keep["sched"].runner.model._decode_handles.values()] == [(mirror, mirror.generation)]
+    assert fused_steps == len(got) - (2 if rows == 1 else 3)   # not the prefill, the first decode step, a refill
+    ref, _ = _decode_logits(tiny_model_dirs["llama"], False, rows, prompt=248, new=16, dtype="float32")
     assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
 
 

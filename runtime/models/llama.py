@@ -192,6 +192,8 @@ class LlamaForCausalLM(nn.Module):
         blocks, (pool_k, pool_v, mirror_k, mirror_v), per_step = state
         held = self._decode_handles.get(key)
         if held is None or held[0] != blocks:   # the op's fixed arguments, held in C++ across steps
+            # (a handle of replaced blocks would keep their memory: all such go, of every row count)
+            self._decode_handles = {k: h for k, h in self._decode_handles.items() if h[0] == blocks}
             held = self._decode_handles[key] = (blocks, *self._make_decode_handle(key, plan, state[1]))
         return held[1], per_step, held[2]
 
