@@ -43,6 +43,11 @@ def _huge_page_floats(n: int):
     return None if raw is None else raw.view(torch.float32).fill_(1.0)
 
 
+def _read_gbs(t, reps: int) -> float:
+    """Best-of-`reps` GB/s of summing float32 `t` (torch's sum reads it on every thread)."""
+    return t.numel() * t.element_size() / _best_seconds(lambda: t.sum(), reps) / 1e9
+
+
 def measure_bandwidth(size_mb: int = 512, reps: int = 5) -> dict:
     """Best-of-`reps` GB/s of reading (a sum) and copying (read + write) a `size_mb` float32 tensor,
     far larger than the caches, in 4 KB pages and (where the kernel gives them) 2 MB ones: the
@@ -55,7 +60,7 @@ def measure_bandwidth(size_mb: int = 512, reps: int = 5) -> dict:
         if src is None:
             continue
         dst = torch.empty_like(src)
-        out[f"read_gbs_{pages}"] = n * 4 / _best_seconds(lambda: src.sum(), reps) / 1e9
+        out[f"read_gbs_{pages}"] = _read_gbs(src, reps)
         out[f"copy_gbs_{pages}"] = 2 * n * 4 / _best_seconds(lambda: dst.copy_(src), reps) / 1e9
         del src, dst
     out["read_gbs"] = max(v for k, v in out.items() if k.startswith("read"))
@@ -66,9 +71,10 @@ def measure_bandwidth(size_mb: int = 512, reps: int = 5) -> dict:
 class BandwidthProbe:
     """A short read-bandwidth measurement (a 2-thread sum of `size_mb` in huge pages where the
     kernel gives them, best of `reps`, ~40 ms) to take next to a timed run. On a shared host the
-    bandwidth a process gets drifts by a third within minutes (a 256 MB sum 23-27 and 32-42 GB/s
-    an hour apart here), so a batch-1 rate is also compared with the bandwidth read around it, not
-    only with the best seen at some other minute. Holds its buffer between measurements."""
+    bandwidth a process gets drifts by a third within minutes (this probe read 18.6-25.7 GB/s
+    around the rounds of one 2-second float32 run here), so a batch-1 rate is also compared with
+    the bandwidth read around it, not only with the best seen at some other minute. Holds its
+    buffer between measurements."""
 
     def __init__(self, size_mb: int = 256):
         import torch
@@ -77,7 +83,7 @@ class BandwidthProbe:
         self.buf = buf if buf is not None else torch.ones(n)
 
     def read_gbs(self, reps: int = 3) -> float:
-        return self.buf.numel() * 4 / _best_seconds(lambda: self.buf.sum(), reps) / 1e9
+        return _read_gbs(self.buf, reps)
 
 
 def measure_matmul(kind: str, m: int, n: int = 2048, k: int = 2048, reps: int = 5) -> float:

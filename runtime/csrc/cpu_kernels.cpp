@@ -2045,11 +2045,14 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 // (a = its packed int8 weight, b = float32 scales). Attention: this step's K/V to pool slots `slots`
 // and mirror rows `mirror_at`, then decode attention over each layer's mirror with `lens`, batch row b
 // at mirror row mirror_rows[b] (default b; see decode_mirror.py).
-// y: contiguous [rows, out_features] in x's dtype.
-void project_into(const at::Tensor& x, const int64_t* kind, const at::Tensor& a, const at::Tensor& b, at::Tensor& y) {
+// y: contiguous [rows, out_features] in x's dtype; `widen` (the LM head): float32, small_gemm's
+// bfloat16 products widened as written, the int8 kernels' output as they compute it (y made float32
+// by the caller).
+void project_into(const at::Tensor& x, const int64_t* kind, const at::Tensor& a, const at::Tensor& b, at::Tensor& y,
+                  bool widen = false) {
   const c10::optional<at::Tensor> bias = b.numel() ? c10::optional<at::Tensor>(b) : c10::nullopt;
   switch (kind[0]) {
-    case 0: return small_gemm_into(x, a, bias, kind[1], false, y);
+    case 0: return small_gemm_into(x, a, bias, kind[1], widen, y);
     case 1: return int4_gemv_into(x, a, bias, y);
     case 2: return int8_gemv_into(x, a, b, y);
     case 3: return int8_rows_into(x, a, b, y);
@@ -2119,7 +2122,8 @@ at::Tensor decode_profile() {
 
 // decode_layers_'s arguments that stay the same from step to step (the weights, the pools, the
 // mirror's blocks until it is reallocated), held by Python across steps: passed as ~420 tensors a
-// call, converting them from Python objects cost ~0.1-0.2 ms of a batch-1 step.
+// call, they were converted from Python objects every step (an aten op taking such a list: ~0.17-0.20
+// ms a call here).
 struct DecodePlan : torch::CustomClassHolder {
   std::vector<at::Tensor> weights, pool_k, pool_v, mirror_k, mirror_v;
   std::vector<int64_t> kinds;
@@ -2220,8 +2224,9 @@ at::Tensor decode_layers_(at::Tensor x, const c10::intrusive_ptr<DecodePlan>& pl
 
 // A steady decode step from token ids to float32 logits [rows, out_features]: the embedding rows and
 // RoPE's rows at `positions` copied, decode_layers_, the final norm (the residual add fused) and the
-// LM head, as the model's forward runs them (the same kernels: the same logits). In Python these
-// ends cost ~0.2-0.4 ms of a batch-1 step: each op's code is cold after the weights' stream.
+// LM head, as the model's forward runs them (the same kernels: the same logits). In Python each of
+// these ends' ops runs with cold caches after the weights' stream (the final norm 77-198 us against
+// 11 us warm); here a bfloat16 batch-1 step is ~0.3 ms shorter (steps alternating, load ~1.4).
 at::Tensor decode_step(const at::Tensor& ids, const at::Tensor& positions, const c10::intrusive_ptr<DecodePlan>& plan,
                        const at::Tensor& slots, const at::Tensor& mirror_at, const at::Tensor& lens,
                        const c10::optional<at::Tensor>& mirror_rows) {
@@ -2246,14 +2251,10 @@ at::Tensor decode_step(const at::Tensor& ids, const at::Tensor& positions, const
   const at::Tensor d = decode_layers_(x, plan, cos, sin, slots, mirror_at, lens, mirror_rows);
   at::Tensor h, logits;
   rms_norm_into(x, d, plan->final_norm, plan->final_eps, h);
+  // float32 logits as the head module's forward(widen=True) returns them (small_gemm makes its own)
   const int64_t* kind = plan->head_kind.data();
-  if (kind[0] == 0) {   // logits widened as written, as PackedLinear's forward(widen=True)
-    const c10::optional<at::Tensor> bias = plan->head_b.numel() ? c10::optional<at::Tensor>(plan->head_b) : c10::nullopt;
-    small_gemm_into(h, plan->head_a, bias, kind[1], true, logits);
-  } else {              // the int8 kernels' float32 output, as Int8Linear's forward(widen=True)
-    logits = at::empty({rows, kind[1]}, h.options().dtype(at::kFloat));
-    project_into(h, kind, plan->head_a, plan->head_b, logits);
-  }
+  if (kind[0] != 0) logits = at::empty({rows, kind[1]}, h.options().dtype(at::kFloat));
+  project_into(h, kind, plan->head_a, plan->head_b, logits, /*widen=*/true);
   return logits;
 }
 

@@ -203,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
         handle = torch.classes.plait_cpu.DecodePlan(
             plan[0], plan[1], *blocks, attn.num_heads, attn.kv_heads, attn.head_dim,
             self.layers[0].input_layernorm.eps, attn.scale)
-        head = self.lm_head.decode_kernel(*key) if hasattr(self.lm_head, "decode_kernel") else None
+        head = self.lm_head.decode_kernel(*key)
         embed = self.embed_tokens.weight
         ends = (head is not None and self.norm.weight.dtype == key[1] and embed.is_contiguous()
                 and embed.shape[0] == self.config.vocab_size)
