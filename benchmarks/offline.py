@@ -32,8 +32,9 @@ def make_prompts(tokenizer, n: int) -> list[str]:
 
 def bench_plait(args, prompts: list[str]) -> dict:
     import plait
-    with plait.Engine(model=args.model, dtype=args.dtype, num_threads=args.threads, quantization=args.quantization,
-                      max_running_requests=args.concurrency, max_total_tokens=args.max_total_tokens) as eng:
+    with plait.Engine(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, num_threads=args.threads,
+                      quantization=args.quantization, max_running_requests=args.concurrency,
+                      max_total_tokens=args.max_total_tokens) as eng:
         params = {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True}
         eng.generate(prompts[0], {"max_new_tokens": 2})                 # warm-up
         eng.flush_cache()
@@ -89,6 +90,8 @@ def main(argv: list[str] | None = None) -> dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="plait's KV cache (HF keeps the model's dtype)")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=128)
@@ -120,7 +123,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 def print_table(r: dict) -> None:
     c, p = r["config"], r["plait"]
-    print(f"\nmodel {c['model']}  dtype {c['dtype']}  weights {c.get('quantization') or c['dtype']}  threads {c['threads']}  "
+    kv = c.get("kv_cache_dtype", "auto")
+    print(f"\nmodel {c['model']}  dtype {c['dtype']}  weights {c.get('quantization') or c['dtype']}  "
+          f"KV {c['dtype'] if kv == 'auto' else kv}  threads {c['threads']}  "
           f"{c['num_requests']} requests x {c['output_len']} tokens at concurrency {c['concurrency']}  "
           f"(load avg {r['load_avg'][0]:.2f})")
     print(f"{'':38}{'tok/s':>10}{'plait ratio':>14}")

@@ -10,6 +10,7 @@ For each configuration (float32 is the reference; bfloat16, int8 and int4 by def
 
     plait bench quality --num-prompts 8 --gen-len 64
     plait bench quality --configs float32 int8 int4   # weights only
+    plait bench quality --configs float32 float32/kv-bfloat16   # a bfloat16 KV cache under float32
     PLAIT_INT8_KERNEL=int8pack plait bench quality    # another CPU int8 kernel (runtime/quantization.py)
 """
 from __future__ import annotations
@@ -43,14 +44,18 @@ DEFAULT_CONFIGS = ("float32", "bfloat16", "int8", "int4")
 
 def parse_config(name: str) -> dict:
     """`float32` / `bfloat16` -> that dtype; `int8` / `int4` / `fp8` -> float32 model, quantized
-    weights; `bfloat16+int4` (and so on) -> that dtype's activations with those weights."""
-    dtype, plus, weights = name.partition("+")
+    weights; `bfloat16+int4` (and so on) -> that dtype's activations with those weights; any of
+    them `/kv-bfloat16` (or `/kv-float32`) -> with that KV cache dtype."""
+    base, slash, kv = name.partition("/kv-")
+    dtype, plus, weights = base.partition("+")
     if not plus:
-        dtype, weights = ("float32", name) if name in ("int8", "int4", "fp8") else (name, None)
-    if dtype in ("float32", "bfloat16") and weights in (None, "int8", "int4", "fp8"):
-        return {"dtype": dtype} if weights is None else {"dtype": dtype, "quantization": weights}
+        dtype, weights = ("float32", base) if base in ("int8", "int4", "fp8") else (base, None)
+    if dtype in ("float32", "bfloat16") and weights in (None, "int8", "int4", "fp8") and \
+            (not slash or kv in ("float32", "bfloat16")):
+        out = {"dtype": dtype} if weights is None else {"dtype": dtype, "quantization": weights}
+        return {**out, "kv_cache_dtype": kv} if slash else out
     raise ValueError(f"unknown configuration {name!r}: float32, bfloat16, int8, int4, fp8 "
-                     "or DTYPE+WEIGHTS (e.g. bfloat16+int4)")
+                     "or DTYPE+WEIGHTS (e.g. bfloat16+int4), optionally /kv-bfloat16 or /kv-float32")
 
 
 def run_config(model: str, config: str, prompt_ids: list[list[int]], text_ids: list[int], gen_len: int,
@@ -132,9 +137,10 @@ def main(argv: list[str] | None = None) -> dict:
     kernel = os.environ.get("PLAIT_INT8_KERNEL", "default")
     print(f"\nmodel {args.model}: {args.num_prompts} prompts x {args.gen_len} greedy tokens, perplexity on "
           f"{len(TEXT)} chars of fixed text; int8 kernel {kernel}  (load avg {os.getloadavg()[0]:.2f})")
-    print(f"{'config':10}{'ppl':>9}{'ppl delta':>11}{'greedy prefix':>15}{'greedy tokens':>15}{'teacher-forced':>16}")
+    w = max(10, *(len(name) + 2 for name in results))
+    print(f"{'config':{w}}{'ppl':>9}{'ppl delta':>11}{'greedy prefix':>15}{'greedy tokens':>15}{'teacher-forced':>16}")
     for name, r in results.items():
-        print(f"{name:10}{r['perplexity']:9.3f}{r['perplexity_delta']:+11.3f}{r['greedy_prefix_agreement']:15.1%}"
+        print(f"{name:{w}}{r['perplexity']:9.3f}{r['perplexity_delta']:+11.3f}{r['greedy_prefix_agreement']:15.1%}"
               f"{r['greedy_token_agreement']:15.1%}{r['teacher_forced_agreement']:16.1%}")
     if args.json:
         with open(args.json, "w") as f:

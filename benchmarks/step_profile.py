@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=8)
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
     # the prefill: up to about 2 x batch + steps), which admission reserves.
     tokens = max(batches) * (args.prompt_len + 2 * max(batches) + args.steps + 16) + 4096
     for quant in args.quantization:
-        sargs = ServerArgs(model=args.model, dtype=args.dtype, num_threads=args.threads,
+        sargs = ServerArgs(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, num_threads=args.threads,
                            max_running_requests=max(batches), max_total_tokens=tokens,
                            enable_torch_compile=args.enable_torch_compile,
                            quantization=None if quant == "none" else quant)

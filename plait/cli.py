@@ -31,6 +31,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-requests", action="store_true",
                    help="log each request body (prompts included); off by default")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the KV cache's dtype (default auto: the model's); bfloat16 under a float32 model halves "
+                        "the cache's memory and what each decode step reads of it")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
@@ -90,7 +93,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 # CLI option -> ServerArgs field; None means "the engine's default".
-_ENGINE_OPTIONS = ("model", "dtype", "device", "context_length", "max_total_tokens", "kv_memory_fraction",
+_ENGINE_OPTIONS = ("model", "dtype", "kv_cache_dtype", "device", "context_length", "max_total_tokens", "kv_memory_fraction",
                    "chunked_prefill_size", "max_running_requests", "schedule_policy", "disable_radix_cache",
                    "num_threads", "omp_spincount", "random_seed", "log_level", "grammar_backend", "grammar_compile_timeout",
                    "disable_jump_forward", "speculative_algorithm", "speculative_num_draft_tokens",

@@ -94,8 +94,9 @@ class ModelRunner:
         # KV in the model's dtype: a bfloat16 model's K/V are bfloat16 values, which a float32 pool
         # would only hold at twice the bytes (decode attention reads them every step: 32 rows x 512
         # keys, cold, 457-537 vs 778-880 us a layer; SDPA widens them to float32 on the CPU, see
-        # attention.sdpa_dtype, so results are those of a float32 pool).
-        self.kv_dtype = self.dtype
+        # attention.sdpa_dtype, so results are those of a float32 pool). --kv-cache-dtype picks another:
+        # bfloat16 under a float32 model rounds each K/V value once and halves the cache's bytes.
+        self.kv_dtype = self.dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
         # Ranks on one CPU node share its RAM: the fraction is of the whole, split between them.
         ranks_sharing = len(ranks_on_this_node(args)) if self.device.type == "cpu" else 1
         per_slot = KVPool.bytes_per_slot(self.num_layers, attn.kv_heads, attn.head_dim, self.kv_dtype)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 class ServerArgs:
     model: str = "smollm2"
     dtype: str = "auto"                      # auto | float32 | bfloat16
+    kv_cache_dtype: str = "auto"             # auto (the model's dtype) | float32 | bfloat16 | float16: the KV cache's
     device: str = "cpu"                      # cpu | cuda | cuda:N
     context_length: int | None = None        # default: the model's max_position_embeddings
     max_total_tokens: int | None = None      # KV pool size in tokens; default from kv_memory_fraction
@@ -49,6 +50,8 @@ class ServerArgs:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}")
         if self.schedule_policy not in ("lpm", "fcfs"):
             raise ValueError(f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}")
         for name in ("max_running_requests", "chunked_prefill_size"):

@@ -118,7 +118,9 @@ def test_quality_configs_name_activations_and_weights():
     assert parse_config("bfloat16") == {"dtype": "bfloat16"}
     assert parse_config("int4") == {"dtype": "float32", "quantization": "int4"}
     assert parse_config("bfloat16+int4") == {"dtype": "bfloat16", "quantization": "int4"}
-    for bad in ("int3", "bfloat16+float32", "fp16+int8", "bfloat16+"):
+    assert parse_config("float32/kv-bfloat16") == {"dtype": "float32", "kv_cache_dtype": "bfloat16"}
+    assert parse_config("int8/kv-bfloat16") == {"dtype": "float32", "quantization": "int8", "kv_cache_dtype": "bfloat16"}
+    for bad in ("int3", "bfloat16+float32", "fp16+int8", "bfloat16+", "float32/kv-int8", "float32/kv-"):
         with pytest.raises(ValueError, match="unknown configuration"):
             parse_config(bad)
 
