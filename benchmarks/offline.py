@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def print_table(r: dict) -> None:
     c, p = r["config"], r["plait"]
-    kv = c.get("kv_cache_dtype", "auto")
+    kv = c["kv_cache_dtype"]
     print(f"\nmodel {c['model']}  dtype {c['dtype']}  weights {c.get('quantization') or c['dtype']}  "
           f"KV {c['dtype'] if kv == 'auto' else kv}  threads {c['threads']}  "
           f"{c['num_requests']} requests x {c['output_len']} tokens at concurrency {c['concurrency']}  "

@@ -8,6 +8,8 @@ import logging
 import os
 import sys
 
+from plait.runtime.server_args import DTYPE_CHOICES
+
 # Before torch is imported (see plait/__init__.py).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -30,8 +32,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a generate request may run; past it the request is aborted with a 504 error")
     p.add_argument("--log-requests", action="store_true",
                    help="log each request body (prompts included); off by default")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    p.add_argument("--kv-cache-dtype", default=None, choices=DTYPE_CHOICES,
                    help="the KV cache's dtype (default auto: the model's); bfloat16 under a float32 model halves "
                         "the cache's memory and what each decode step reads of it")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")

@@ -6,6 +6,9 @@ import os
 from dataclasses import dataclass
 
 
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")   # dtype's and kv_cache_dtype's (auto: the model's)
+
+
 @dataclass
 class ServerArgs:
     model: str = "smollm2"
@@ -48,10 +51,9 @@ class ServerArgs:
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}")
+        for name in ("dtype", "kv_cache_dtype"):
+            if getattr(self, name) not in DTYPE_CHOICES:
+                raise ValueError(f"{name} must be auto, float32, bfloat16 or float16, got {getattr(self, name)!r}")
         if self.schedule_policy not in ("lpm", "fcfs"):
             raise ValueError(f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}")
         for name in ("max_running_requests", "chunked_prefill_size"):
