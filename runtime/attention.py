@@ -150,7 +150,13 @@ class MirroredAttention(TorchNativeAttention):
         (slots, where the K/V rows go in the mirror, mirror lengths, each batch row's mirror row or
         None)); else None, and the layers then call `forward` as usual (without beginning the step
         again)."""
-        self._begin(batch)
+        plan = None
+        if batch.repeat and self._fused:   # the step before's fused one, each row a token further
+            plan = self.mirror.plan_repeat(batch.groups[0], self._plan, batch.out_cache_loc)
+        if plan is not None:
+            self._batch, self._plan = batch, plan
+        else:
+            self._begin(batch)
         if not self._fused:
             self._begun = batch
             return None

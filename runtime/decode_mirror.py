@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu_kernels, weight_arena
-from .forward_batch import AttnGroup
+from .forward_batch import AttnGroup, cached_arange
 from .memory_pool import KVPool
 
 _LEN_STEP = 256      # mirror length grows in steps of this many tokens
@@ -76,7 +76,7 @@ class DecodeMirror:
         """Start a step that writes pool slots `written` (every group's): stamp them, so that a
         mirrored copy of any of them reads as stale from now on."""
         self.clock += 1
-        self.slot_stamp[written] = self.clock
+        self.slot_stamp.index_fill_(0, written, self.clock)   # (a lighter op than indexed assignment)
 
     def plan(self, g: AttnGroup, with_mask: bool = True) -> MirrorPlan | None:
         """Decide, for decode group `g`, which rows only append their new tokens and which are
@@ -146,7 +146,7 @@ class DecodeMirror:
         if (not cpu_kernels.enabled(self.pool.k[0]) or not all(0 <= t < n for t in targets)
                 or len(set(targets)) != n):
             return None
-        target = torch.tensor(targets)
+        target = cached_arange(n, "cpu") if targets == list(range(n)) else torch.tensor(targets)
         keep_at = torch.ops.plait_cpu.mirror_steady_(self.ids, self.stamps, self.lens, self.slot_stamp, kv,
                                                      g.prefix_lens, target, self.clock, self.kv_heads)
         if keep_at.numel() == 0:
@@ -158,6 +158,21 @@ class DecodeMirror:
         # mirror_row keeps rows that left the batch (the full plan drops them): harmless, any row is
         # checked against the pool before its mirror is used
         return MirrorPlan(n, g.max_kv, 1, target, order, None, None, keep_at, None, slice(0, 0), None)
+
+    def plan_repeat(self, g: AttnGroup, last: MirrorPlan, written: torch.Tensor) -> MirrorPlan | None:
+        """`begin_step(written)` and the plan of `g`, the rows of the steady plan `last` (the step
+        before's) each one token further: their mirror rows are `last`'s, and only the mirrors'
+        equality to the pool is checked again (`mirror_steady_`). None where that does not hold (the
+        caller then begins the step as usual: stamping the same slots again changes nothing)."""
+        self.begin_step(written)
+        if not self._ensure_capacity(g.bsz, g.max_kv):
+            return None
+        keep_at = torch.ops.plait_cpu.mirror_steady_(self.ids, self.stamps, self.lens, self.slot_stamp,
+                                                     g.kv_indices.view(g.bsz, g.max_kv), g.prefix_lens, last.target,
+                                                     self.clock, self.kv_heads)
+        if keep_at.numel() == 0:
+            return None
+        return MirrorPlan(g.bsz, g.max_kv, 1, last.target, last.order, None, None, keep_at, None, slice(0, 0), None)
 
     def _match(self, g: AttnGroup, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mirror row of each batch row, and whether it is kept (it holds at least the row's

@@ -45,6 +45,30 @@ class ForwardBatch:
     groups: list[AttnGroup]
     logits_index: torch.Tensor      # [N] flat positions whose logits the caller wants
     logits_all: bool = False        # logits_index is every position in order (a pure decode step)
+    repeat: bool = False            # made by `advance`: the step before's rows, each one token further
+
+    @property
+    def advanceable(self) -> bool:
+        """Whether `advance` applies: one decode group of one-token rows, every row's logits."""
+        return len(self.groups) == 1 and self.groups[0].decode and self.groups[0].max_q == 1 and self.logits_all
+
+    def advance(self, input_ids: list[int], out_cache_loc: torch.Tensor, req_to_token: torch.Tensor) -> ForwardBatch:
+        """The next step of this `advanceable` batch: the same rows in the same order, each one token
+        further (token `input_ids[b]`, its K/V to slot `out_cache_loc[b]`, the table already holding
+        that slot). What does not change is shared and the rest is ~5 tensor ops, against `build`'s ~8
+        and its Python: at batch 1 each op costs 10-100 us in the cold caches a step's weights leave."""
+        g = self.groups[0]
+        positions, seq_lens, max_kv = self.positions + 1, g.seq_lens + 1, g.max_kv + 1
+        if g.bsz == 1:
+            kv_indices, attn_mask = req_to_token[g.rows[0], :max_kv], None
+        else:
+            kv_indices = req_to_token[torch.tensor(g.rows, device=req_to_token.device), :max_kv].view(-1)
+            attn_mask = None if g.attn_mask is None else \
+                (cached_arange(max_kv, seq_lens.device)[None, :] < seq_lens[:, None])[:, None, None, :]
+        group = AttnGroup(0, g.end, g.bsz, 1, max_kv, kv_indices, attn_mask, None, g.rows, positions, seq_lens,
+                          decode=True)
+        return ForwardBatch(torch.tensor(input_ids, dtype=torch.int64, device=positions.device), positions,
+                            _to(out_cache_loc, positions.device), [group], self.logits_index, True, repeat=True)
 
     @classmethod
     def build(cls, input_ids: list[int], req_rows: list[int], prefix_lens: list[int],
@@ -70,14 +94,34 @@ class ForwardBatch:
                 g.attn_mask = None if g.attn_mask is None else g.attn_mask.to(device)
                 g.q_scatter = None if g.q_scatter is None else g.q_scatter.to(device)
                 g.prefix_lens, g.seq_lens = g.prefix_lens.to(device), g.seq_lens.to(device)
+        logits_all = len(logits_index) == len(input_ids) and logits_index == list(range(len(input_ids)))
         return cls(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-            positions=(torch.cat(positions) if len(positions) > 1 else positions[0]).to(device),
-            out_cache_loc=out_cache_loc.to(device),
+            positions=_to(torch.cat(positions) if len(positions) > 1 else positions[0], device),
+            out_cache_loc=_to(out_cache_loc, device),
             groups=groups,
-            logits_index=torch.tensor(logits_index, dtype=torch.int64, device=device),
-            logits_all=len(logits_index) == len(input_ids) and logits_index == list(range(len(input_ids))),
+            logits_index=(cached_arange(len(logits_index), device) if logits_all
+                          else torch.tensor(logits_index, dtype=torch.int64, device=device)),
+            logits_all=logits_all,
         )
+
+
+# A batch-1 decode step spends ~1 ms in Python around its op, each tensor op there 10-100 us: its
+# caches are cold after the weights' stream. What is the same every step is made once.
+_ARANGES: dict[torch.device, torch.Tensor] = {}
+
+
+def cached_arange(n: int, device: torch.device | str) -> torch.Tensor:
+    """`arange(n)` int64 on `device`: a view of one kept per device, so never written to."""
+    device = torch.device(device)
+    a = _ARANGES.get(device)
+    if a is None or a.numel() < n:
+        a = _ARANGES[device] = torch.arange(max(n, 256), dtype=torch.int64, device=device)
+    return a[:n]
+
+
+def _to(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    return t if t.device == torch.device(device) else t.to(device)
 
 
 def _decode_start(prefix_lens: list[int], extend_lens: list[int]) -> int:
@@ -102,9 +146,8 @@ def _build_group(start: int, rows: list[int], prefix_lens: list[int], extend_len
     max_q, max_kv, num_tokens = max(extend_lens), max(seq_list), sum(extend_lens)
     pre = torch.tensor(prefix_lens, dtype=torch.int64)
     seq = torch.tensor(seq_list, dtype=torch.int64)
-    # one row: a view of the table (nothing writes the table while the step runs)
-    table = req_to_token[rows[0], :max_kv] if bsz == 1 else req_to_token[torch.tensor(rows), :max_kv]
-    kv_indices = table.reshape(-1)
+    # one row: a view of the table (nothing writes the table while the step runs), 1-D as it is
+    kv_indices = req_to_token[rows[0], :max_kv] if bsz == 1 else req_to_token[torch.tensor(rows), :max_kv].view(-1)
     if max_q == 1:   # (a decode group: its tensors only, ~10 us each at batch 1)
         positions, q_scatter = pre, None
         attn_mask = None if min(seq_list) == max_kv else (torch.arange(max_kv)[None, :] < seq[:, None])[:, None, None, :]

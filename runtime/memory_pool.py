@@ -23,20 +23,23 @@ class TokenSlotAllocator:
     def clear(self) -> None:
         # Slot 0 is the padding slot; usable slots are 1..num_slots.
         self._free = torch.arange(PAD_SLOT + 1, self.num_slots + 1, dtype=torch.int64)
+        self._head = 0   # free slots are _free[_head:]: an allocation is one slice (a decode step's is one slot)
 
     def available(self) -> int:
-        return int(self._free.numel())
+        return self._free.numel() - self._head
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """Return `n` free slots (int64), or None when fewer than `n` are free."""
-        if n > self._free.numel():
+        if n > self.available():
             return None
-        out, self._free = self._free[:n], self._free[n:]
+        out = self._free[self._head:self._head + n]
+        self._head += n
         return out
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
-            self._free = torch.cat((self._free, slots.to(torch.int64)))
+            self._free = torch.cat((self._free[self._head:], slots.to(torch.int64)))
+            self._head = 0
 
 
 class KVPool:

@@ -72,6 +72,7 @@ class Scheduler:
         self.num_generated_tokens = 0
         self.num_retractions = 0
         self.num_steps = 0
+        self.num_repeat_steps = 0             # steps whose batch was the step before's advanced (_repeat_batch)
         self.num_jump_forward_tokens = 0
         self.num_spec_proposed_tokens = 0     # speculative (n-gram / draft-model) tokens proposed ...
         self.num_spec_accepted_tokens = 0     # ... and kept after verification
@@ -83,6 +84,7 @@ class Scheduler:
             self.draft = None
         self._draft_queue: list[tuple[Req, int]] = []   # (request, k) drafting at the end of this step
         self._active = 0                      # requests sampling in the current step
+        self._last_decode = None              # a pure decode step's (requests, their kv_len, batch, rows_of)
 
     # --- requests in and out ---------------------------------------------------------------
     def add_request(self, inp: GenerateInput) -> None:
@@ -187,10 +189,26 @@ class Scheduler:
                 wait_futures([f for _, f in self.grammar_queue], timeout=0.005, return_when=FIRST_COMPLETED)
             return outputs
         self.num_steps += 1
-        batch, rows_of = self._build_batch(prefill, decode, decode_slots)
+        batch, rows_of = (None, None) if prefill else self._repeat_batch(decode, decode_slots)
+        if batch is None:
+            batch, rows_of = self._build_batch(prefill, decode, decode_slots)
+        self._last_decode = (decode, [r.kv_len for r in decode], batch, rows_of) if batch.advanceable else None
         logits = self.runner.forward(batch)
         outputs += self._process(prefill, decode, logits, rows_of)
         return outputs
+
+    def _repeat_batch(self, decode: list[Req], decode_slots: torch.Tensor | None):
+        """The step before's batch advanced by a token (`ForwardBatch.advance`) when this step decodes
+        the same requests in the same order, one token each; else (None, None)."""
+        last = self._last_decode
+        if last is None or len(last[0]) != len(decode):
+            return None, None
+        reqs, kv_lens, batch, rows_of = last
+        for req, before, kv in zip(decode, reqs, kv_lens):
+            if req is not before or req.kv_len != kv + 1 or req.fill_len != kv + 2:
+                return None, None
+        self.num_repeat_steps += 1
+        return batch.advance([r.output_ids[-1] for r in decode], decode_slots, self.table.table), rows_of
 
     def _prepare_decode(self, outputs: list[TokenOutput]) -> tuple[list[Req], torch.Tensor | None]:
         """Give every running request slots for its uncomputed tokens — one, or more after a
@@ -338,8 +356,9 @@ class Scheduler:
                 rows_of[id(req)] = (len(logits_index), 1)
                 logits_index.append(pos + take - 1)
             pos += take
-        batch = ForwardBatch.build(input_ids, rows, prefix_lens, extend_lens, torch.cat(locs), table,
-                                   logits_index, device=self.runner.device)
+        batch = ForwardBatch.build(input_ids, rows, prefix_lens, extend_lens,
+                                   locs[0] if len(locs) == 1 else torch.cat(locs), table, logits_index,
+                                   device=self.runner.device)
         return batch, rows_of
 
     def _process(self, prefill, decode, logits: torch.Tensor, rows_of) -> list[TokenOutput]:

@@ -175,7 +175,8 @@ def test_rewritten_table_row_and_recycled_slots_refill():
     # the write stamps can tell its K/V apart.
     slots = sim.table.table[b, :14].clone()
     sim.drop(b, free_slots=False)
-    sim.alloc._free = torch.cat((slots, sim.alloc._free))
+    sim.alloc._free = torch.cat((slots, sim.alloc._free[sim.alloc._head:]))   # b's slots handed out next
+    sim.alloc._head = 0
     b2 = sim.new()
     assert b2 == b
     sim.step([(b2, 14)])
@@ -215,3 +216,29 @@ def test_decode_group_takes_small_draft_extends_only():
     assert groups([9, 7], [1, 1]) == [(2, 1, True)]
     assert groups([3, 9], [20, 1]) == [(1, 20, False), (1, 1, True)]                # a long extend stays out
     assert groups([9] * 10, [2] + [1] * 9) == [(1, 2, False), (9, 1, True)]         # too many rows to pad
+
+
+@pytest.mark.parametrize("lens", [[9], [9, 14, 5]])
+def test_advanced_batch_equals_the_built_one(lens):
+    # A decode batch one token further, by ForwardBatch.advance, holds what building it anew holds:
+    # positions, context lengths, the table's slots and the padding mask of rows of unequal length.
+    table = torch.arange(4 * 32, dtype=torch.int64).view(4, 32) + 1
+    rows = [2, 0, 3][:len(lens)]
+    written = torch.tensor([r * 32 + n + 1 for r, n in zip(rows, lens)])
+    first = ForwardBatch.build([5] * len(lens), rows, lens, [1] * len(lens), written, table, list(range(len(lens))))
+    assert first.advanceable
+    slots = torch.tensor([r * 32 + n + 2 for r, n in zip(rows, lens)])
+    ids = [7 + i for i in range(len(lens))]
+    nxt = first.advance(ids, slots, table)
+    ref = ForwardBatch.build(ids, rows, [n + 1 for n in lens], [1] * len(lens), slots, table, list(range(len(lens))))
+    assert nxt.repeat and nxt.advanceable and not ref.repeat
+    for name in ("input_ids", "positions", "out_cache_loc", "logits_index"):
+        assert torch.equal(getattr(nxt, name), getattr(ref, name)), name
+    g, h = nxt.groups[0], ref.groups[0]
+    fields = ("start", "end", "bsz", "max_q", "max_kv", "rows", "decode")
+    assert [getattr(g, f) for f in fields] == [getattr(h, f) for f in fields]
+    for name in ("kv_indices", "prefix_lens", "seq_lens"):
+        assert torch.equal(getattr(g, name), getattr(h, name)), name
+    assert (g.attn_mask is None) == (h.attn_mask is None) == (len(set(lens)) == 1)
+    assert g.attn_mask is None or torch.equal(g.attn_mask, h.attn_mask)
+    assert g.q_scatter is None and h.q_scatter is None

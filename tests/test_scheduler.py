@@ -156,3 +156,36 @@ def test_request_fill_len_and_tail_without_the_whole_list():
     req.output_ids += [4, 5]
     assert req.fill_len == len(req.fill_ids) == 5
     assert all(req.fill_from(i) == req.fill_ids[i:] for i in range(6))
+
+
+def test_repeated_decode_steps_advance_the_batch_and_equal_built_ones(path):
+    # Requests finishing at different steps, a new one joining mid-decode, one aborted: the steps that
+    # decode the same requests as the step before advance its batch; the tokens are those of
+    # building every batch anew, and everything is returned at the end.
+    prompts = [[(i * 41 + j * 11) % 40000 + 10 for j in range(7 + 5 * i)] for i in range(4)]
+    lengths = [12, 20, 9, 16]
+
+    def run(repeat: bool) -> tuple[dict[str, list[int]], Scheduler]:
+        s = make(path)
+        if not repeat:
+            s._repeat_batch = lambda decode, slots: (None, None)
+        for i in range(3):
+            s.add_request(req(f"r{i}", prompts[i], lengths[i]))
+        out: dict[str, list[int]] = {}
+        for step in range(10_000):
+            if not s.has_work():
+                break
+            if step == 6:
+                s.add_request(req("r3", prompts[3], lengths[3]))
+            if step == 9:
+                s.abort_request("r2")
+            for o in s.step():
+                out.setdefault(o.rid, []).extend(o.new_ids)
+        idle_accounting_ok(s)
+        return out, s
+
+    built, s_built = run(repeat=False)
+    advanced, s_adv = run(repeat=True)
+    assert advanced == built
+    assert s_built.num_repeat_steps == 0
+    assert s_adv.num_repeat_steps >= 10 and s_adv.num_repeat_steps < s_adv.num_steps
