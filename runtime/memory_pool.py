@@ -66,12 +66,18 @@ class ReqToTokenTable:
 
     def __init__(self, max_requests: int, context_len: int, device: torch.device | str = "cpu"):
         self.table = torch.zeros((max_requests, context_len), dtype=torch.int64, device=device)
+        self._flat = self.table.view(-1)
         self._free_rows = list(range(max_requests - 1, -1, -1))
         self.max_requests = max_requests
         self.context_len = context_len
 
     def available(self) -> int:
         return len(self._free_rows)
+
+    def entries(self, row: int, start: int, n: int) -> torch.Tensor:
+        """Row `row`'s entries [start, start + n) as a view: one op (indexing the table by row and
+        range is two, and a decode step's Python runs with cold caches: ~30 us an op at batch 1)."""
+        return self._flat.narrow(0, row * self.context_len + start, n)
 
     def alloc(self) -> int | None:
         return self._free_rows.pop() if self._free_rows else None

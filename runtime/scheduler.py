@@ -236,7 +236,7 @@ class Scheduler:
             return decode, slots
         start = 0
         for req, n in zip(decode, need):
-            self.table.table[req.row, req.kv_len:req.kv_len + n] = slots[start:start + n]
+            self.table.entries(req.row, req.kv_len, n).copy_(slots if n == len(slots) else slots[start:start + n])
             start += n
         return decode, slots
 

@@ -189,3 +189,12 @@ def test_repeated_decode_steps_advance_the_batch_and_equal_built_ones(path):
     assert advanced == built
     assert s_built.num_repeat_steps == 0
     assert s_adv.num_repeat_steps >= 10 and s_adv.num_repeat_steps < s_adv.num_steps
+
+
+def test_table_entries_are_a_view_of_the_row_range():
+    import torch
+    from plait.runtime.memory_pool import ReqToTokenTable
+    t = ReqToTokenTable(3, 10)
+    t.entries(1, 4, 3).copy_(torch.tensor([7, 8, 9]))
+    assert t.table[1].tolist() == [0, 0, 0, 0, 7, 8, 9, 0, 0, 0] and int(t.table.sum()) == 24
+    assert torch.equal(t.entries(2, 0, 10), t.table[2]) and t.entries(0, 9, 1).numel() == 1
