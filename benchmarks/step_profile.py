@@ -2,7 +2,8 @@
 
 Drives a `Scheduler` in-process: `batch` requests with `prompt-len`-token prompts are prefilled,
 then `steps` decode steps are timed. Per step: the whole `step()`, the model forward inside it
-(`runner.forward`, wrapped), `ForwardBatch.build`, and the rest (scheduling, sampling, outputs).
+(`runner.forward`, wrapped), making its batch (built, or the step before's advanced: `(batch)`), and the
+rest (scheduling, sampling, outputs).
 `--backend` swaps the attention backend to compare (old = the pre-mirror gather backend).
 `--breakdown` also times the parts of the fused decode op (`decode_layers_`: norms, projections,
 attention, ...) and prints each projection's weight stream in GB/s. Batch 1 is also compared with
@@ -58,7 +59,6 @@ def profile(sched, batch: int, prompt_len: int, steps: int, seed: int = 0, break
     bandwidth measured before the first and after each: `paired`, (ms per step, mean GB/s of the
     measurements around it) per round."""
     from plait.runtime import cpu_kernels
-    from plait.runtime.forward_batch import ForwardBatch
     from plait.runtime.request import GenerateInput
     from plait.runtime.sampling_params import SamplingParams
     rng = random.Random(seed)
@@ -75,10 +75,8 @@ def profile(sched, batch: int, prompt_len: int, steps: int, seed: int = 0, break
         raise RuntimeError(f"only {len(sched.running)} of {batch} requests are decoding; is the KV pool too small?")
     sched.step()                              # first decode step: the mirror fills
     forward = Timer(sched.runner.forward)
-    original_build = ForwardBatch.__dict__["build"]
-    build = Timer(ForwardBatch.build)
-    sched.runner.forward = forward
-    ForwardBatch.build = build
+    build, repeat = Timer(sched._build_batch), Timer(sched._repeat_batch)   # the batch: built, or advanced
+    sched.runner.forward, sched._build_batch, sched._repeat_batch = forward, build, repeat
     timing_parts = breakdown and cpu_kernels.decode_profile_start()
     rounds = max(1, min(rounds, steps)) if probe is not None else 1
     paired, total, cpu = [], 0.0, 0.0
@@ -96,13 +94,12 @@ def profile(sched, batch: int, prompt_len: int, steps: int, seed: int = 0, break
                 paired.append((1000 * seconds / n, (before + after) / 2))
                 before = after
     finally:
-        del sched.runner.forward
-        ForwardBatch.build = original_build
+        del sched.runner.forward, sched._build_batch, sched._repeat_batch
         fused, parts = cpu_kernels.decode_profile_stop() if timing_parts else (0, {})
     for rid in [r.rid for r in sched.running]:
         sched.abort_request(rid)
     ms = 1000 / steps
-    out = {"step_ms": total * ms, "forward_ms": forward.total * ms, "build_ms": build.total * ms,
+    out = {"step_ms": total * ms, "forward_ms": forward.total * ms, "build_ms": (build.total + repeat.total) * ms,
            "scheduler_ms": (total - forward.total) * ms, "step_cpu_ms": cpu * ms}
     if paired:
         out["paired"] = paired
@@ -170,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{args.prompt_len} tokens, {args.steps} steps, "
           f"torch.compile {'on' if args.enable_torch_compile else 'off'}, load {os.getloadavg()[0]:.2f}")
     print("ms per decode step (wall; 'CPU' is the process's CPU time, steadier on a loaded machine)")
-    print(f"{'backend':>7} {'weights':>7} {'batch':>5} | {'step ms':>8} {'forward':>8} {'sched':>7} {'(build)':>8} | "
+    print(f"{'backend':>7} {'weights':>7} {'batch':>5} | {'step ms':>8} {'forward':>8} {'sched':>7} {'(batch)':>8} | "
           f"{'sched %':>7} | {'step CPU':>8}")
     results = {}
     for name in args.backend:
