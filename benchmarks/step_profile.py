@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
     # the prefill: up to about 2 x batch + steps), which admission reserves.
     tokens = max(batches) * (args.prompt_len + 2 * max(batches) + args.steps + 16) + 4096
     for quant in args.quantization:
-        sargs = ServerArgs(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, num_threads=args.threads,
+        sargs = ServerArgs(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                           num_threads=args.threads,
                            max_running_requests=max(batches), max_total_tokens=tokens,
                            enable_torch_compile=args.enable_torch_compile,
                            quantization=None if quant == "none" else quant)

@@ -146,18 +146,25 @@ class DecodeMirror:
         if (not cpu_kernels.enabled(self.pool.k[0]) or not all(0 <= t < n for t in targets)
                 or len(set(targets)) != n):
             return None
-        target = cached_arange(n, "cpu") if targets == list(range(n)) else torch.tensor(targets)
+        identity = targets == list(range(n))
+        target = cached_arange(n, "cpu") if identity else torch.tensor(targets)
+        order = None
+        if not identity:
+            order = torch.empty_like(target)
+            order[target] = cached_arange(n, "cpu")
+        # mirror_row keeps rows that left the batch (the full plan drops them): harmless, any row is
+        # checked against the pool before its mirror is used
+        return self._append_plan(g, kv, target, order)
+
+    def _append_plan(self, g: AttnGroup, kv: torch.Tensor, target: torch.Tensor,
+                     order: torch.Tensor | None) -> MirrorPlan | None:
+        """`mirror_steady_` for batch row b at mirror row `target[b]` (`order`: its inverse, None when
+        identity), and the plan of that step; None where a mirror no longer equals the pool."""
         keep_at = torch.ops.plait_cpu.mirror_steady_(self.ids, self.stamps, self.lens, self.slot_stamp, kv,
                                                      g.prefix_lens, target, self.clock, self.kv_heads)
         if keep_at.numel() == 0:
             return None
-        order = None
-        if targets != list(range(n)):
-            order = torch.empty_like(target)
-            order[target] = torch.arange(n)
-        # mirror_row keeps rows that left the batch (the full plan drops them): harmless, any row is
-        # checked against the pool before its mirror is used
-        return MirrorPlan(n, g.max_kv, 1, target, order, None, None, keep_at, None, slice(0, 0), None)
+        return MirrorPlan(g.bsz, g.max_kv, 1, target, order, None, None, keep_at, None, slice(0, 0), None)
 
     def plan_repeat(self, g: AttnGroup, last: MirrorPlan, written: torch.Tensor) -> MirrorPlan | None:
         """`begin_step(written)` and the plan of `g`, the rows of the steady plan `last` (the step
@@ -167,12 +174,7 @@ class DecodeMirror:
         self.begin_step(written)
         if not self._ensure_capacity(g.bsz, g.max_kv):
             return None
-        keep_at = torch.ops.plait_cpu.mirror_steady_(self.ids, self.stamps, self.lens, self.slot_stamp,
-                                                     g.kv_indices.view(g.bsz, g.max_kv), g.prefix_lens, last.target,
-                                                     self.clock, self.kv_heads)
-        if keep_at.numel() == 0:
-            return None
-        return MirrorPlan(g.bsz, g.max_kv, 1, last.target, last.order, None, None, keep_at, None, slice(0, 0), None)
+        return self._append_plan(g, g.kv_indices.view(g.bsz, g.max_kv), last.target, last.order)
 
     def _match(self, g: AttnGroup, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mirror row of each batch row, and whether it is kept (it holds at least the row's

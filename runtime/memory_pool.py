@@ -76,7 +76,7 @@ class ReqToTokenTable:
 
     def entries(self, row: int, start: int, n: int) -> torch.Tensor:
         """Row `row`'s entries [start, start + n) as a view: one op (indexing the table by row and
-        range is two, and a decode step's Python runs with cold caches: ~30 us an op at batch 1)."""
+        range is two; a decode step's Python runs with cold caches, see README)."""
         return self._flat.narrow(0, row * self.context_len + start, n)
 
     def alloc(self) -> int | None:

@@ -22,6 +22,7 @@ from itertools import chain
 import torch
 
 from . import cpu_kernels
+from .forward_batch import cached_arange
 from .sampling_params import SamplingParams
 
 # ---------------------------------------------------------------------------------------------
@@ -250,12 +251,11 @@ def _flat_index(rows: list[int], lengths: list[int], tokens, V: int) -> torch.Te
 class Sampler:
     """Turns logits [B, V] into next token ids int64 [B] following a `SamplingBatch`.
 
-    Stateless apart from per-(V, device) caches (token hash, position arange).
+    Stateless apart from a per-(V, device) cache of the token hash.
     """
 
     def __init__(self) -> None:
         self._tok_hash: dict[tuple[int, torch.device], torch.Tensor] = {}
-        self._positions: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def _token_hash(self, V: int, dev: torch.device) -> torch.Tensor:
         key = (V, dev)
@@ -263,13 +263,6 @@ class Sampler:
         if h is None:
             h = self._tok_hash[key] = token_hash(V, dev)
         return h
-
-    def _arange(self, n: int, dev: torch.device) -> torch.Tensor:
-        key = (n, dev)
-        a = self._positions.get(key)
-        if a is None:
-            a = self._positions[key] = torch.arange(n, dtype=torch.int64, device=dev)
-        return a
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Return next token ids (int64 [B]). `logits` is not modified."""
@@ -340,7 +333,7 @@ class Sampler:
             p_s, idx = probs.sort(dim=-1, descending=True)
         drop = None
         if batch.top_ks is not None:
-            drop = self._arange(W, dev).unsqueeze(0) >= batch.top_ks
+            drop = cached_arange(W, dev).unsqueeze(0) >= batch.top_ks
         if batch.top_ps is not None:
             # Keep the smallest prefix reaching top_p: drop where the mass *before* it
             # already reaches top_p (position 0 has 0 before it, so it is always kept).

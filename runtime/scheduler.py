@@ -84,7 +84,7 @@ class Scheduler:
             self.draft = None
         self._draft_queue: list[tuple[Req, int]] = []   # (request, k) drafting at the end of this step
         self._active = 0                      # requests sampling in the current step
-        self._last_decode = None              # a pure decode step's (requests, their kv_len, batch, rows_of)
+        self._last_decode = None              # a pure decode step's (requests, batch, rows_of)
 
     # --- requests in and out ---------------------------------------------------------------
     def add_request(self, inp: GenerateInput) -> None:
@@ -192,20 +192,22 @@ class Scheduler:
         batch, rows_of = (None, None) if prefill else self._repeat_batch(decode, decode_slots)
         if batch is None:
             batch, rows_of = self._build_batch(prefill, decode, decode_slots)
-        self._last_decode = (decode, [r.kv_len for r in decode], batch, rows_of) if batch.advanceable else None
+        self._last_decode = (decode, batch, rows_of) if batch.advanceable else None
         logits = self.runner.forward(batch)
         outputs += self._process(prefill, decode, logits, rows_of)
         return outputs
 
     def _repeat_batch(self, decode: list[Req], decode_slots: torch.Tensor | None):
         """The step before's batch advanced by a token (`ForwardBatch.advance`) when this step decodes
-        the same requests in the same order, one token each; else (None, None)."""
+        the same requests in the same order, one token each (each then one token past the step
+        before, whose batch had one token a row; anything that moves a request otherwise, a
+        retraction or prefill, makes a step that is not advanceable); else (None, None)."""
         last = self._last_decode
         if last is None or len(last[0]) != len(decode):
             return None, None
-        reqs, kv_lens, batch, rows_of = last
-        for req, before, kv in zip(decode, reqs, kv_lens):
-            if req is not before or req.kv_len != kv + 1 or req.fill_len != kv + 2:
+        reqs, batch, rows_of = last
+        for req, before in zip(decode, reqs):
+            if req is not before or req.fill_len != req.kv_len + 1:
                 return None, None
         self.num_repeat_steps += 1
         return batch.advance([r.output_ids[-1] for r in decode], decode_slots, self.table.table), rows_of
