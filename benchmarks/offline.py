@@ -11,7 +11,7 @@ import json
 import os
 import time
 
-from plait.runtime.server_args import DTYPE_CHOICES, set_openmp_defaults
+from plait.runtime.server_args import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, set_openmp_defaults
 
 # Both engines get the OpenMP settings of plait's scheduler process (HF runs in this one).
 set_openmp_defaults()
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=DTYPE_CHOICES,
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
                     help="plait's KV cache (HF keeps the model's dtype)")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=32)

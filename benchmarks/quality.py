@@ -45,17 +45,18 @@ DEFAULT_CONFIGS = ("float32", "bfloat16", "int8", "int4")
 def parse_config(name: str) -> dict:
     """`float32` / `bfloat16` -> that dtype; `int8` / `int4` / `fp8` -> float32 model, quantized
     weights; `bfloat16+int4` (and so on) -> that dtype's activations with those weights; any of
-    them `/kv-bfloat16` (or `/kv-float32`) -> with that KV cache dtype."""
+    them `/kv-bfloat16` (or `/kv-float32`, `/kv-fp8_e4m3`, `/kv-fp8_e5m2`) -> with that KV cache dtype."""
     base, slash, kv = name.partition("/kv-")
     dtype, plus, weights = base.partition("+")
     if not plus:
         dtype, weights = ("float32", base) if base in ("int8", "int4", "fp8") else (base, None)
     if dtype in ("float32", "bfloat16") and weights in (None, "int8", "int4", "fp8") and \
-            (not slash or kv in ("float32", "bfloat16")):
+            (not slash or kv in ("float32", "bfloat16", "fp8_e4m3", "fp8_e5m2")):
         out = {"dtype": dtype} if weights is None else {"dtype": dtype, "quantization": weights}
         return {**out, "kv_cache_dtype": kv} if slash else out
     raise ValueError(f"unknown configuration {name!r}: float32, bfloat16, int8, int4, fp8 "
-                     "or DTYPE+WEIGHTS (e.g. bfloat16+int4), optionally /kv-bfloat16 or /kv-float32")
+                     "or DTYPE+WEIGHTS (e.g. bfloat16+int4), optionally /kv-bfloat16, /kv-float32, /kv-fp8_e4m3 "
+                     "or /kv-fp8_e5m2")
 
 
 def run_config(model: str, config: str, prompt_ids: list[list[int]], text_ids: list[int], gen_len: int,

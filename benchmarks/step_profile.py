@@ -22,7 +22,7 @@ import random
 import statistics
 import time
 
-from plait.runtime.server_args import DTYPE_CHOICES, ServerArgs, set_openmp_defaults
+from plait.runtime.server_args import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, ServerArgs, set_openmp_defaults
 
 set_openmp_defaults()   # as the scheduler process has them
 
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=DTYPE_CHOICES)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=8)

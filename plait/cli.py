@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from plait.runtime.server_args import DTYPE_CHOICES
+from plait.runtime.server_args import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
 
 # Before torch is imported (see plait/__init__.py).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -33,9 +33,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-requests", action="store_true",
                    help="log each request body (prompts included); off by default")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
-    p.add_argument("--kv-cache-dtype", default=None, choices=DTYPE_CHOICES,
+    p.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPE_CHOICES,
                    help="the KV cache's dtype (default auto: the model's); bfloat16 under a float32 model halves "
-                        "the cache's memory and what each decode step reads of it")
+                        "the cache's memory and what each decode step reads of it, fp8_e4m3 / fp8_e5m2 (8-bit "
+                        "floats, no scales; fp8 = fp8_e4m3) halve a bfloat16 model's")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")

@@ -21,13 +21,16 @@ import torch.nn.functional as F
 from . import cpu_kernels
 from .decode_mirror import DecodeMirror, MirrorPlan
 from .forward_batch import AttnGroup, ForwardBatch
-from .memory_pool import KVPool
+from .memory_pool import FP8_DTYPES, KVPool, index_select_bits
 
 
 def sdpa_dtype(kv_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype SDPA runs in over a pool of `kv_dtype`: on the CPU a 16-bit pool is widened to
-    float32 (bfloat16 SDPA is ~3x slower there for these head sizes; float32 holds the 16-bit values
-    exactly, so the result is the same as over a float32 pool)."""
+    """The dtype SDPA runs in over a pool of `kv_dtype`: on the CPU a 16-bit or 8-bit pool is
+    widened to float32 (bfloat16 SDPA is ~3x slower there for these head sizes; float32 holds the
+    16-bit and 8-bit values exactly, so the result is the same as over a float32 pool of the same
+    values); on a GPU an 8-bit pool to bfloat16 (SDPA takes no fp8)."""
+    if kv_dtype in FP8_DTYPES:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
     return torch.float32 if device.type == "cpu" and kv_dtype in (torch.bfloat16, torch.float16) else kv_dtype
 
 
@@ -92,8 +95,8 @@ class TorchNativeAttention(AttentionBackend):
         pool_k, pool_v = self.pool.k[layer_id], self.pool.v[layer_id]
         kv_heads = pool_k.shape[1]
         shape = (g.bsz * g.max_kv, kv_heads, head_dim)
-        keys = torch.index_select(pool_k, 0, g.kv_indices, out=self._buffer("k", shape, pool_k.dtype, pool_k.device))
-        values = torch.index_select(pool_v, 0, g.kv_indices, out=self._buffer("v", shape, pool_v.dtype, pool_v.device))
+        keys = index_select_bits(pool_k, g.kv_indices, out=self._buffer("k", shape, pool_k.dtype, pool_k.device))
+        values = index_select_bits(pool_v, g.kv_indices, out=self._buffer("v", shape, pool_v.dtype, pool_v.device))
         keys = keys.view(g.bsz, g.max_kv, kv_heads, head_dim).transpose(1, 2).to(self.sdpa_dtype)
         values = values.view(g.bsz, g.max_kv, kv_heads, head_dim).transpose(1, 2).to(self.sdpa_dtype)
         dtype = q.dtype
@@ -130,7 +133,7 @@ class MirroredAttention(TorchNativeAttention):
         self.mirror.begin_step(batch.out_cache_loc)
         last = batch.groups[-1] if batch.groups else None
         # one-token rows through the fused kernel take their lengths, not a mask
-        kernel = self._kernel = last is not None and last.max_q == 1 and cpu_kernels.enabled(self.pool.k[0])
+        kernel = self._kernel = last is not None and last.max_q == 1 and cpu_kernels.kv_enabled(self.pool.k[0])
         plan = self._plan = self.mirror.plan(last, with_mask=not kernel) if last is not None and last.decode else None
         # The steady decode step (only decode rows, each appending one token to the mirror row it
         # holds): K/V writes and attention in two fused ops per layer.

@@ -39,12 +39,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .memory_pool import index_copy_bits_
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 _DTYPES = (torch.float32, torch.bfloat16)
+_KV_DTYPES = _DTYPES + (torch.float8_e4m3fn, torch.float8_e5m2)   # what the pool and the mirror may hold
 
 
 def _cpu_tag() -> str:
@@ -85,6 +88,12 @@ def load() -> bool:
 def enabled(x: torch.Tensor) -> bool:
     """Whether `x`'s op can take the fused kernel: a CPU float32/bfloat16 tensor, kernels built."""
     return x.is_cpu and x.dtype in _DTYPES and _state.get("ok", False) is True   # ~270 calls a step
+
+
+def kv_enabled(pool: torch.Tensor) -> bool:
+    """Whether the kernels that read or write K/V (`kv_write_`, `decode_attention`) take a pool or
+    mirror tensor `pool`: on the CPU, float32, bfloat16 or fp8 (e4m3fn, e5m2), kernels built."""
+    return pool.is_cpu and pool.dtype in _KV_DTYPES and _state.get("ok", False) is True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -130,7 +139,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: to
     `lens[b]` keys (`lens` may be longer than n); with `rows` (int64 `[n]`), row b attends K/V row
     `rows[b]` and its first `lens[rows[b]]` keys. Sums in float32 (bfloat16 q and keys: the scores
     by bfloat16 dot products, exact products); returns `[n, H, D]` in q's dtype."""
-    if enabled(k) and enabled(q):
+    if kv_enabled(k) and enabled(q):
         return torch.ops.plait_cpu.decode_attention(q, k, v, lens, scale, rows)
     n, heads, dim = q.shape
     if rows is None:
@@ -161,15 +170,15 @@ def kv_write_(pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor, k
     """Write this step's k/v `[T, KVH, D]` into pool slots `slots` (cast to the pool's dtype) and,
     with `mirror_at`, also into the contiguous mirror buffers viewed as rows of D: token t's head h
     to row `mirror_at[t * KVH + h]`. One op instead of six."""
-    if enabled(k) and enabled(pool_k):
+    if enabled(k) and kv_enabled(pool_k):
         torch.ops.plait_cpu.kv_write_(pool_k, pool_v, slots, k, v, mirror_k, mirror_v, mirror_at)
         return
-    pool_k.index_copy_(0, slots, k.to(pool_k.dtype))
-    pool_v.index_copy_(0, slots, v.to(pool_v.dtype))
+    index_copy_bits_(pool_k, slots, k.to(pool_k.dtype))
+    index_copy_bits_(pool_v, slots, v.to(pool_v.dtype))
     if mirror_at is not None:
         dim = k.shape[-1]
-        mirror_k.view(-1, dim).index_copy_(0, mirror_at, k.to(mirror_k.dtype).reshape(-1, dim))
-        mirror_v.view(-1, dim).index_copy_(0, mirror_at, v.to(mirror_v.dtype).reshape(-1, dim))
+        index_copy_bits_(mirror_k.view(-1, dim), mirror_at, k.to(mirror_k.dtype).reshape(-1, dim))
+        index_copy_bits_(mirror_v.view(-1, dim), mirror_at, v.to(mirror_v.dtype).reshape(-1, dim))
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from .attention import AttentionBackend
+from .attention import AttentionBackend, sdpa_dtype
 from .forward_batch import AttnGroup, ForwardBatch
-from .memory_pool import PAD_SLOT, KVPool
+from .memory_pool import FP8_DTYPES, PAD_SLOT, KVPool, index_copy_bits_, index_select_bits
 
 if TYPE_CHECKING:
     from .model_runner import ModelRunner
@@ -66,6 +66,11 @@ def kv_buckets(max_kv: int, min_kv: int = MIN_KV_BUCKET) -> list[int]:
     return out + [-(-max_kv // _KV_ALIGN) * _KV_ALIGN if max_kv > min_kv else min_kv]
 
 
+def attention_dtype(kv_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a graph's attention runs in: the pool's, or for an 8-bit pool what SDPA widens it to."""
+    return sdpa_dtype(kv_dtype, device) if kv_dtype in FP8_DTYPES else kv_dtype
+
+
 class StaticDecodeAttention(AttentionBackend):
     """Decode attention over fixed shapes, for a captured graph: one query per row, keys gathered
     from the pool through the group's `[bs * kv_len]` index, an additive `[bs, 1, 1, kv_len]` mask.
@@ -74,15 +79,16 @@ class StaticDecodeAttention(AttentionBackend):
     def forward(self, q, k, v, layer_id, batch, scale):
         g = batch.groups[0]
         pool_k, pool_v = self.pool.k[layer_id], self.pool.v[layer_id]
-        pool_k.index_copy_(0, batch.out_cache_loc, k.to(pool_k.dtype))
-        pool_v.index_copy_(0, batch.out_cache_loc, v.to(pool_v.dtype))
+        index_copy_bits_(pool_k, batch.out_cache_loc, k.to(pool_k.dtype))
+        index_copy_bits_(pool_v, batch.out_cache_loc, v.to(pool_v.dtype))
+        dtype = attention_dtype(pool_k.dtype, pool_k.device)
         bs, kv_len = g.bsz, g.max_kv
         kv_heads, head_dim = pool_k.shape[1], pool_k.shape[2]
         num_heads = q.shape[1]
-        keys = pool_k.index_select(0, g.kv_indices).view(bs, kv_len, kv_heads, head_dim).transpose(1, 2)
-        values = pool_v.index_select(0, g.kv_indices).view(bs, kv_len, kv_heads, head_dim).transpose(1, 2)
+        keys = index_select_bits(pool_k, g.kv_indices).view(bs, kv_len, kv_heads, head_dim).transpose(1, 2).to(dtype)
+        values = index_select_bits(pool_v, g.kv_indices).view(bs, kv_len, kv_heads, head_dim).transpose(1, 2).to(dtype)
         # One query per head: the heads sharing a KV head become that head's query rows (GQA).
-        q4 = q.to(pool_k.dtype).reshape(bs, kv_heads, num_heads // kv_heads, head_dim)
+        q4 = q.to(dtype).reshape(bs, kv_heads, num_heads // kv_heads, head_dim)
         out = F.scaled_dot_product_attention(q4, keys, values, attn_mask=g.attn_mask, scale=scale)
         return out.reshape(bs, num_heads * head_dim).to(q.dtype)
 
@@ -121,7 +127,7 @@ class DecodeGraphRunner:
         self.seq_lens = torch.ones(self.max_bs, dtype=torch.int64, device=dev)
         self.logits_index = torch.arange(self.max_bs, dtype=torch.int64, device=dev)
         self.kv_indices = torch.full((n,), PAD_SLOT, dtype=torch.int64, device=dev)
-        self.mask = torch.zeros(n, dtype=self.pool.k[0].dtype, device=dev)
+        self.mask = torch.zeros(n, dtype=attention_dtype(self.pool.k[0].dtype, dev), device=dev)
         self.masked = torch.zeros(n, dtype=torch.bool, device=dev)
         self.kv_pos = torch.arange(self.max_kv, dtype=torch.int64, device=dev)
         self.rows = torch.arange(self.max_bs, dtype=torch.int64, device=dev)

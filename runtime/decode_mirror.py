@@ -17,7 +17,7 @@ import torch
 
 from . import cpu_kernels, weight_arena
 from .forward_batch import AttnGroup, cached_arange
-from .memory_pool import KVPool
+from .memory_pool import KVPool, index_copy_bits_, index_select_bits
 
 _LEN_STEP = 256      # mirror length grows in steps of this many tokens
 _ROW_STEP = 8        # and its row count (above 8 rows) in steps of this many rows
@@ -143,7 +143,7 @@ class DecodeMirror:
         targets = [self.mirror_row.get(r, -1) for r in g.rows]
         # distinct by construction (one full plan's mapping, unchanged since); checked all the same:
         # two rows appending to one mirror row would corrupt it
-        if (not cpu_kernels.enabled(self.pool.k[0]) or not all(0 <= t < n for t in targets)
+        if (not cpu_kernels.kv_enabled(self.pool.k[0]) or not all(0 <= t < n for t in targets)
                 or len(set(targets)) != n):
             return None
         identity = targets == list(range(n))
@@ -228,14 +228,14 @@ class DecodeMirror:
         if plan.keep_at.numel():
             kk = k if plan.keep_tok is None else k[plan.keep_tok]
             vv = v if plan.keep_tok is None else v[plan.keep_tok]
-            mk.view(-1, self.head_dim).index_copy_(0, plan.keep_at, kk.reshape(-1, self.head_dim))
-            mv.view(-1, self.head_dim).index_copy_(0, plan.keep_at, vv.reshape(-1, self.head_dim))
+            index_copy_bits_(mk.view(-1, self.head_dim), plan.keep_at, kk.reshape(-1, self.head_dim))
+            index_copy_bits_(mv.view(-1, self.head_dim), plan.keep_at, vv.reshape(-1, self.head_dim))
         if plan.fill_idx is not None:
             f, fill_len = plan.fill_idx.shape
             flat = plan.fill_idx.reshape(-1)
             shape = (f, fill_len, self.kv_heads, self.head_dim)
-            gk = self.pool.k[layer].index_select(0, flat).view(shape).transpose(1, 2)
-            gv = self.pool.v[layer].index_select(0, flat).view(shape).transpose(1, 2)
+            gk = index_select_bits(self.pool.k[layer], flat).view(shape).transpose(1, 2)
+            gv = index_select_bits(self.pool.v[layer], flat).view(shape).transpose(1, 2)
             if isinstance(plan.fill_t, slice):
                 mk[plan.fill_t, :, :fill_len].copy_(gk)
                 mv[plan.fill_t, :, :fill_len].copy_(gv)

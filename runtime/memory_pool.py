@@ -42,6 +42,26 @@ class TokenSlotAllocator:
             self._head = 0
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def index_copy_bits_(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor, dim: int = 0) -> None:
+    """`dst.index_copy_(dim, index, src)`, also for fp8 tensors (which torch's CPU index_copy_ does
+    not take): as their bytes."""
+    if dst.dtype in FP8_DTYPES:
+        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+    dst.index_copy_(dim, index, src)
+
+
+def index_select_bits(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`torch.index_select(src, 0, index, out=out)`; fp8 tensors gathered as their bytes (a gather
+    every device runs for uint8)."""
+    if src.dtype not in FP8_DTYPES:
+        return src.index_select(0, index) if out is None else torch.index_select(src, 0, index, out=out)
+    got = torch.index_select(src.view(torch.uint8), 0, index, out=None if out is None else out.view(torch.uint8))
+    return got.view(src.dtype)
+
+
 class KVPool:
     """Preallocated K and V buffers, one pair per layer: `[num_slots + 1, kv_heads, head_dim]`."""
 
@@ -53,8 +73,8 @@ class KVPool:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        index_copy_bits_(self.k[layer], slots, k)
+        index_copy_bits_(self.v[layer], slots, v)
 
     @staticmethod
     def bytes_per_slot(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -17,7 +17,7 @@ from .model_loader import load_config, load_tokenizer, load_weights, resolve_mod
 from .models import get_model_class
 from .parallel import (FORWARD, STOP, RankFailure, StepChannel, all_reduce_min, destroy_tensor_parallel,
                        init_tensor_parallel, rank_device, ranks_on_this_node, threads_per_rank)
-from .server_args import ServerArgs
+from .server_args import ServerArgs, kv_cache_torch_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +95,9 @@ class ModelRunner:
         # would only hold at twice the bytes (decode attention reads them every step: 32 rows x 512
         # keys, cold, 457-537 vs 778-880 us a layer; SDPA widens them to float32 on the CPU, see
         # attention.sdpa_dtype, so results are those of a float32 pool). --kv-cache-dtype picks another:
-        # bfloat16 under a float32 model rounds each K/V value once and halves the cache's bytes.
-        self.kv_dtype = self.dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
+        # bfloat16 under a float32 model rounds each K/V value once and halves the cache's bytes; the
+        # 8-bit floats (fp8_e4m3, fp8_e5m2) halve a bfloat16 model's (decode attention widens them).
+        self.kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, self.dtype)
         # Ranks on one CPU node share its RAM: the fraction is of the whole, split between them.
         ranks_sharing = len(ranks_on_this_node(args)) if self.device.type == "cpu" else 1
         per_slot = KVPool.bytes_per_slot(self.num_layers, attn.kv_heads, attn.head_dim, self.kv_dtype)

@@ -6,14 +6,27 @@ import os
 from dataclasses import dataclass
 
 
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")   # dtype's and kv_cache_dtype's (auto: the model's)
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")   # dtype's (auto: the model's)
+# kv_cache_dtype's: the model's dtypes and, as SGLang names them, 8-bit floats (no scales: SmolLM2's
+# K/V stay below 25 in magnitude, e4m3 holds up to 448); vLLM's "fp8" is fp8_e4m3
+FP8_KV_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+KV_CACHE_DTYPE_CHOICES = DTYPE_CHOICES + tuple(FP8_KV_DTYPES)
+
+
+def kv_cache_torch_dtype(name: str, model_dtype):
+    """The torch dtype of a KV cache named `name` (one of KV_CACHE_DTYPE_CHOICES) under a model of
+    `model_dtype`."""
+    import torch
+    if name == "auto":
+        return model_dtype
+    return getattr(torch, FP8_KV_DTYPES.get(name, name))
 
 
 @dataclass
 class ServerArgs:
     model: str = "smollm2"
     dtype: str = "auto"                      # auto | float32 | bfloat16
-    kv_cache_dtype: str = "auto"             # auto (the model's dtype) | float32 | bfloat16 | float16: the KV cache's
+    kv_cache_dtype: str = "auto"             # auto (the model's dtype) | float32 | bfloat16 | float16 | fp8_e4m3 | fp8_e5m2: the KV cache's
     device: str = "cpu"                      # cpu | cuda | cuda:N
     context_length: int | None = None        # default: the model's max_position_embeddings
     max_total_tokens: int | None = None      # KV pool size in tokens; default from kv_memory_fraction
@@ -51,9 +64,11 @@ class ServerArgs:
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
-        for name in ("dtype", "kv_cache_dtype"):
-            if getattr(self, name) not in DTYPE_CHOICES:
-                raise ValueError(f"{name} must be auto, float32, bfloat16 or float16, got {getattr(self, name)!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.schedule_policy not in ("lpm", "fcfs"):
             raise ValueError(f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}")
         for name in ("max_running_requests", "chunked_prefill_size"):

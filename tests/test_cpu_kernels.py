@@ -407,17 +407,21 @@ def _decode_logits(path: str, fused: bool, rows: int, prompt: int = 9, new: int 
     s = Scheduler(ServerArgs(model=path, max_total_tokens=4096, max_running_requests=rows, **args))
     if keep is not None:
         keep["sched"] = s
-    model, logits, fused_steps, whole_steps = s.runner.model, [], [0], [0]
+    model, logits, fused_steps, whole_steps, head_kernel = s.runner.model, [], [0], [0], [0]
     if not fused:
         model._decode_plan = lambda *a: None
     if not head_in_op:
         model.lm_head.decode_kernel = lambda *a: None
     begin, forward = model._begin_fused_decode, model.forward
 
-    def count(*a):   # steps fused: their layers in one op, and from token ids to logits in one op
-        out = begin(*a)
+    def count(batch, *a):   # steps fused: their layers in one op, and from token ids to logits in one op
+        out = begin(batch, *a)
         fused_steps[0] += out is not None
         whole_steps[0] += out is not None and out[2]
+        # (the head has one of the op's kernels at these rows: not an int8 head's bfloat16 copy, 9+
+        # rows where the CPU has bfloat16 dot products, whose logits are rounded to bfloat16 first)
+        rows = batch.input_ids.shape[0]
+        head_kernel[0] += out is not None and model.lm_head.decode_kernel(rows, model.embed_tokens.weight.dtype) is not None
         return out
     model._begin_fused_decode = count
     model.forward = lambda *a: logits.append(forward(*a)) or logits[-1]
@@ -427,7 +431,7 @@ def _decode_logits(path: str, fused: bool, rows: int, prompt: int = 9, new: int 
             max_new_tokens=4 if i == 0 and rows > 1 else new, temperature=0, ignore_eos=True)))
     while s.has_work():
         s.step()
-    assert whole_steps[0] == (fused_steps[0] if head_in_op else 0), "the LM head ran elsewhere than asked"
+    assert whole_steps[0] == (head_kernel[0] if head_in_op else 0), "the LM head ran elsewhere than asked"
     return logits, fused_steps[0]
 
 
@@ -476,6 +480,71 @@ def test_a_bfloat16_kv_cache_under_a_float32_model(tiny_model_dirs, rows):
         ServerArgs(kv_cache_dtype="int8")
     assert build_parser().parse_args(["serve", "--kv-cache-dtype", "bfloat16"]).kv_cache_dtype == "bfloat16"
     assert "kv_cache_dtype" in _ENGINE_OPTIONS
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_an_fp8_kv_cache_under_a_bfloat16_model(tiny_model_dirs, kv, rows):
+    """`kv_cache_dtype="fp8_e4m3"` / `"fp8_e5m2"` on a bfloat16 model: pool and mirror hold one
+    byte a value (half a bfloat16 cache's), the steady steps still take the fused op, equal to the
+    layer loop bit for bit; the logits move from a bfloat16 cache's by K/V's rounding only, e4m3's
+    3 mantissa bits less than e5m2's 2."""
+    from plait.cli import build_parser
+    path, keep = tiny_model_dirs["llama"], {}
+    fp8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv]
+    got, fused_steps = _decode_logits(path, True, rows, keep=keep, dtype="bfloat16", kv_cache_dtype=kv)
+    runner = keep["sched"].runner
+    assert runner.kv_dtype == runner.pool.k[0].dtype == runner.backend.mirror.dtype == fp8
+    assert runner.pool.k[0].element_size() == 1
+    ref, _ = _decode_logits(path, False, rows, dtype="bfloat16", kv_cache_dtype=kv)
+    assert fused_steps == len(got) - (2 if rows == 1 else 3)
+    assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
+    bf16, _ = _decode_logits(path, True, rows, dtype="bfloat16")
+    # the prefill's logits (attention over the pool's rounded K/V): later steps may follow other
+    # greedy tokens
+    moved = (got[0] - bf16[0]).abs().max().item() / bf16[0].abs().max().item()
+    assert 0 < moved < 0.25, moved   # rounded (not equal), and by little
+    assert all(bool(x.isfinite().all()) for x in got)
+    if kv == "fp8_e5m2":
+        finer, _ = _decode_logits(path, True, rows, dtype="bfloat16", kv_cache_dtype="fp8_e4m3")
+        closer = (finer[0] - bf16[0]).abs().max().item() / bf16[0].abs().max().item()
+        assert closer < moved, (closer, moved)
+    assert keep["sched"].kv_slots_in_use() == 0
+    assert build_parser().parse_args(["serve", "--kv-cache-dtype", kv]).kv_cache_dtype == kv
+    if rows == 3:   # the eager ops (no kernels): the pool's and mirror's writes as bytes, SDPA widening
+        plain, none = eager(lambda: _decode_logits(path, True, rows, dtype="bfloat16", kv_cache_dtype=kv))
+        assert none == 0 and len(plain) == len(got)
+        assert (plain[0] - got[0]).abs().max().item() / got[0].abs().max().item() < 0.02
+
+
+@pytest.mark.parametrize("kv", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_kv_kernels_read_and_write_exactly(kv):
+    """The fp8 K/V kernels: kv_write_ rounds as torch's conversion does (pool and mirror alike, from
+    float32 or bfloat16 k/v); decode_attention widens every fp8 value exactly, so over fp8 K/V it
+    equals the same kernel over those values in float32, for float32 and bfloat16 queries."""
+    torch.manual_seed(0)
+    pool_k, pool_v = torch.zeros(10, 3, 64, dtype=kv), torch.zeros(10, 3, 64, dtype=kv)
+    mirror_k, mirror_v = torch.zeros(4, 3, 8, 64, dtype=kv), torch.zeros(4, 3, 8, 64, dtype=kv)
+    for src in (torch.float32, torch.bfloat16):
+        k, v = (torch.randn(2, 3, 64) * 8).to(src), (torch.randn(2, 3, 64) * 1e-2).to(src)
+        at = torch.tensor([0, 9, 17, 30, 50, 95])
+        torch.ops.plait_cpu.kv_write_(pool_k, pool_v, torch.tensor([4, 7]), k, v, mirror_k, mirror_v, at)
+        for got, want in ((pool_k[[4, 7]], k), (pool_v[[4, 7]], v),
+                          (mirror_k.view(-1, 64)[at].view(2, 3, 64), k), (mirror_v.view(-1, 64)[at].view(2, 3, 64), v)):
+            assert torch.equal(got.view(torch.uint8), want.float().to(kv).view(torch.uint8))
+    # every byte but NaN, as the values of one-key rows (softmax of one key is 1: the output is V)
+    values = torch.arange(256, dtype=torch.uint8).view(kv)
+    values = values[~values.float().isnan()]
+    values = torch.cat([values, torch.zeros(-len(values) % 64, dtype=kv)]).reshape(4, 1, 1, 64)
+    out = torch.ops.plait_cpu.decode_attention(torch.zeros(4, 1, 64), torch.zeros_like(values), values,
+                                               torch.ones(4, dtype=torch.int64), 1.0, None)
+    assert torch.equal(out.view(4, 64), values.float().view(4, 64))
+    k, v = (torch.randn(3, 3, 70, 64) * 3).to(kv), torch.randn(3, 3, 70, 64).to(kv)
+    lens, rows = torch.tensor([70, 33, 1]), torch.tensor([2, 0, 1])
+    for q in (torch.randn(3, 9, 64), torch.randn(3, 9, 64).bfloat16()):
+        for r in (None, rows):
+            got = cpu_kernels.decode_attention(q, k, v, lens, 0.125, r)
+            assert torch.equal(got, cpu_kernels.decode_attention(q, k.float(), v.float(), lens, 0.125, r))
 
 
 @pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", "int4")])

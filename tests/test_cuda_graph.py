@@ -175,6 +175,27 @@ def test_static_decode_equals_eager(path, eager_runner, graph_runner):
     assert any(st["bsz"] == 3 for st in steps if st["graph"]) and g.num_padded_rows > 0
 
 
+def test_static_decode_over_an_fp8_cache(path):
+    """An fp8 (e4m3) KV cache on the static path: its pool writes as bytes, its gather widened to
+    the attention dtype (float32 on the CPU, bfloat16 on a GPU); the same greedy outputs and logits
+    as the eager path over the same cache."""
+    recs, outs = [], []
+    for extra in ({}, {"cuda_graph_eager": True}):
+        runner = ModelRunner(runner_args(path, kv_cache_dtype="fp8_e4m3", **extra))
+        assert runner.pool.k[0].dtype == torch.float8_e4m3fn
+        if extra:
+            runner.graphs = DecodeGraphRunner(runner, max_bs=4, max_kv=128, capture=False, min_kv=16)
+            assert runner.graphs.mask.dtype == torch.float32
+        rec = Recorder(runner)
+        try:
+            outs.append(drive(Scheduler(runner_args(path, chunked_prefill_size=64), runner), workload(runner.tokenizer)))
+        finally:
+            rec.close()
+        recs.append(rec)
+    assert outs[1] == outs[0] and any(st["graph"] for st in recs[1].steps)
+    compare(*recs)
+
+
 class OracleDrafts:
     """Drafts for the tiny random model (whose output never repeats its prompt): the reference
     continuation with every third token wrong, so verification accepts some and rejects some."""
