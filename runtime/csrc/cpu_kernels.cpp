@@ -502,16 +502,12 @@ inline __m256 hsum8(const __m512* a) {
 inline __m512bh load_bh(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
 #endif
 
-// load_once: a float32 K or V chunk that feeds one FMA per query is kept in a register (the empty asm
-// says it may have changed) - else GCC folds the load into each of the G FMAs, and on Zen 4 a 512-bit
-// load is two of its 256-bit ones: float32 values, 3 queries of 64 dims, one thread, in L1, 6.1 vs
-// 3.5 ns a key (whole kernel, 1 row x 512 keys in L2: 17.2 -> 15.7 ns a key).
-
 // scores of 8 keys for GN queries (rows of `scores`, stride len): each key chunk is loaded (and
 // widened) once for all of them; GN * 8 independent accumulators keep the FMA units busy.
 // DC: the head dim when known at compile time (else 0: `D`). With a run-time D, GCC keeps the
 // accumulators on the stack (zeroed, stored and reloaded around the sums every 8 keys): bfloat16
-// dot products, one thread, keys in L2, 9.4 vs 3.0 ns a key for 3 queries of 64 dims.
+// dot products, one thread, keys in L2, 9.4 vs 3.0 ns a key for 3 queries of 64 dims. Only the
+// bfloat16 dot products take it: float32 K/V out of cache ran slower with it (see attention_scores).
 template <int GN, int DC, typename QT, typename KV>
 inline void scores_block8(const QT* q, const KV* k0, int64_t k_stride, int64_t D_, __m512 vscale, float* scores,
                           int64_t len) {
@@ -532,12 +528,9 @@ inline void scores_block8(const QT* q, const KV* k0, int64_t k_stride, int64_t D
 #endif
   } else {
     for (int64_t d = 0; d < D; d += 16) {
-      __m512 qd[GN];
-      for (int g = 0; g < GN; ++g) qd[g] = load16(q + g * D + d);
       for (int i = 0; i < 8; ++i) {
-        __m512 kd = load16(k0 + i * k_stride + d);
-        asm("" : "+v"(kd));   // see load_once
-        for (int g = 0; g < GN; ++g) acc[g][i] = _mm512_fmadd_ps(qd[g], kd, acc[g][i]);
+        const __m512 kd = load16(k0 + i * k_stride + d);
+        for (int g = 0; g < GN; ++g) acc[g][i] = _mm512_fmadd_ps(load16(q + g * D + d), kd, acc[g][i]);
       }
     }
   }
@@ -644,8 +637,11 @@ void attention_scores(const QT* q, const KV* k, int64_t k_stride, int64_t len, i
       }
       for (; j < len; ++j) scores_one(q, k + j * k_stride, G, D, scale, scores + j, len);
     };
-    if (D == 64) keys(std::integral_constant<int, 64>{});
-    else if (D == 128) keys(std::integral_constant<int, 128>{});
+    // bfloat16 q and K (a bfloat16 model's steps), 30 layers' decode attention, A/B in one process,
+    // arms alternating (20 rounds, Zen 4, load ~0.5): 1 row x 1024 keys 1.737 -> 1.561 ms, 32 x 512
+    // 18.57 -> 18.14; float32 K/V at 32 x 512 29.96 -> 31.73, so that path keeps a run-time D
+    if (dot_scores<QT, KV>() && D == 64) keys(std::integral_constant<int, 64>{});
+    else if (dot_scores<QT, KV>() && D == 128) keys(std::integral_constant<int, 128>{});
     else keys(std::integral_constant<int, 0>{});
     return;
   }
@@ -775,8 +771,7 @@ void values_in_registers(const float* p, const KV* v, int64_t v_stride, int64_t 
     __m512 pg[G];
     for (int g = 0; g < G; ++g) pg[g] = _mm512_set1_ps(p[g * len + j]);
     for (int c = 0; c < CH; ++c) {
-      __m512 vc = load16(vj + 16 * c);
-      asm("" : "+v"(vc));   // see load_once
+      const __m512 vc = load16(vj + 16 * c);
       for (int g = 0; g < G; ++g) a[g][c] = _mm512_fmadd_ps(pg[g], vc, a[g][c]);
     }
   }
