@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .memory_pool import index_copy_bits_
+from .memory_pool import FP8_DTYPES, index_copy_bits_
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ _SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 _DTYPES = (torch.float32, torch.bfloat16)
-_KV_DTYPES = _DTYPES + (torch.float8_e4m3fn, torch.float8_e5m2)   # what the pool and the mirror may hold
+_KV_DTYPES = _DTYPES + FP8_DTYPES   # what the pool and the mirror may hold
 
 
 def _cpu_tag() -> str:

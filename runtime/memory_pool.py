@@ -57,7 +57,7 @@ def index_select_bits(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor 
     """`torch.index_select(src, 0, index, out=out)`; fp8 tensors gathered as their bytes (a gather
     every device runs for uint8)."""
     if src.dtype not in FP8_DTYPES:
-        return src.index_select(0, index) if out is None else torch.index_select(src, 0, index, out=out)
+        return torch.index_select(src, 0, index, out=out)
     got = torch.index_select(src.view(torch.uint8), 0, index, out=None if out is None else out.view(torch.uint8))
     return got.view(src.dtype)
 

@@ -47,6 +47,18 @@ inline float f32(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float f32(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
 inline float f32(c10::Float8_e5m2 x) { return static_cast<float>(x); }
 
+// f(a value of the C++ type) for a pool's or mirror's dtype: float32, bfloat16 or fp8 (e4m3fn, e5m2).
+template <typename F>
+void with_kv_type(at::ScalarType t, const char* op, const F& f) {
+  switch (t) {
+    case at::kFloat: return f(float{});
+    case at::kBFloat16: return f(c10::BFloat16{});
+    case at::kFloat8_e4m3fn: return f(c10::Float8_e4m3fn{});
+    case at::kFloat8_e5m2: return f(c10::Float8_e5m2{});
+    default: TORCH_CHECK(false, op, ": K/V must be float32, bfloat16 or fp8 (e4m3fn, e5m2), got ", t);
+  }
+}
+
 // The value a tensor of type T stores for x (bfloat16: round to nearest even).
 template <typename T> inline float stored(float x) { return x; }
 template <> inline float stored<c10::BFloat16>(float x) { return static_cast<float>(c10::BFloat16(x)); }
@@ -905,15 +917,16 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at:
       AheadRows<KV> nk, nv;   // the next task's keys while these scores run, its values while these values do
       if (task + 1 < tasks) {   // past `end` too: a thread's next chunk usually follows
         const int64_t nb = (task + 1) / (KVH * parts), nkvh = (task + 1) / parts % KVH, npart = (task + 1) % parts;
-        const int64_t nm = row(nb), n0 = lens[nm] * npart / parts;
-        nk = {kp + nm * ks0 + nkvh * ks1 + n0 * ks2, ks2, lens[nm] * (npart + 1) / parts - n0, D};
-        nv = {vp + nm * vs0 + nkvh * vs1 + n0 * vs2, vs2, nk.len, D};
+        const int64_t nm = row(nb), n0 = lens[nm] * npart / parts, nlen = lens[nm] * (npart + 1) / parts - n0;
         // Only short streams, which the hardware prefetcher does not ramp up on in time: a longer one
         // it fetches itself, and fetching it here too slowed every long case on Zen 4 (30 layers'
         // attention, arms alternating in one process, 16 rounds, load 0.4-1.0, ms with -> without:
         // bfloat16 32 x 512 keys 17.75 -> 15.40, 8 x 1024 8.84 -> 7.94, 1 x 1024 2.51 -> 2.18, float32 32 x
         // 512 33.38 -> 29.09; 150 keys within the noise there: 32 rows 6.53 -> 6.33, 128 rows 25.40 -> 25.17)
-        if (nk.len >= kAheadMaxKeys) nk = nv = AheadRows<KV>{};
+        if (nlen < kAheadMaxKeys) {
+          nk = {kp + nm * ks0 + nkvh * ks1 + n0 * ks2, ks2, nlen, D};
+          nv = {vp + nm * vs0 + nkvh * vs1 + n0 * vs2, vs2, nlen, D};
+        }
       }
       if (dot) attention_scores(q0, kb, ks2, len, G, D, scale, scores, vb, vs2, &nk);
       else attention_scores(qf, kb, ks2, len, G, D, scale, scores, vb, vs2, &nk);
@@ -977,9 +990,6 @@ void decode_attention_into(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: head_dim must have unit stride");
   TORCH_CHECK(lens.scalar_type() == at::kLong && lens.is_contiguous() && lens.numel() >= q.size(0),
               "decode_attention: lens must be int64 [>= n]");
-  const at::ScalarType kvt = k.scalar_type();
-  TORCH_CHECK(kvt == at::kFloat || kvt == at::kBFloat16 || kvt == at::kFloat8_e4m3fn || kvt == at::kFloat8_e5m2,
-              "decode_attention: float32, bfloat16 or fp8 (e4m3fn, e5m2) K/V only, got ", kvt);
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t* rp = nullptr;
   if (rows.has_value() && rows->defined()) {
@@ -996,15 +1006,11 @@ void decode_attention_into(const at::Tensor& q, const at::Tensor& k, const at::T
   if (!out.defined()) out = at::empty(q.sizes(), q.options());   // the output in the query's dtype
   else check_out(out, q.sizes(), q.scalar_type(), "decode_attention");
   const float sc = static_cast<float>(scale);
-  auto run = [&](auto kv_type) {
+  with_kv_type(k.scalar_type(), "decode_attention", [&](auto kv_type) {
     using KV = decltype(kv_type);
     if (q.scalar_type() == at::kFloat) decode_attention_kernel<KV, float>(qs, k, v, lp, rp, sc, out);
     else decode_attention_kernel<KV, c10::BFloat16>(qs, k, v, lp, rp, sc, out);
-  };
-  if (kvt == at::kFloat) run(float{});
-  else if (kvt == at::kBFloat16) run(c10::BFloat16{});
-  else if (kvt == at::kFloat8_e4m3fn) run(c10::Float8_e4m3fn{});
-  else run(c10::Float8_e5m2{});
+  });
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lens,
@@ -1124,24 +1130,14 @@ void kv_write_(at::Tensor pool_k, at::Tensor pool_v, const at::Tensor& slots, co
     const int64_t rows = std::min(mirror_k->numel(), mirror_v->numel()) / k.size(2);
     for (int64_t i = 0; i < mirror_at->numel(); ++i) TORCH_CHECK(ap[i] >= 0 && ap[i] < rows, "kv_write_: mirror row out of range");
   }
-  const at::ScalarType st = k.scalar_type(), dt = pool_k.scalar_type();
-  TORCH_CHECK((st == at::kFloat || st == at::kBFloat16) &&
-                  (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kFloat8_e4m3fn || dt == at::kFloat8_e5m2),
-              "kv_write_: k/v float32 or bfloat16, pools float32, bfloat16 or fp8 (e4m3fn, e5m2)");
-  auto run = [&](auto src_type, auto dst_type) {
-    using S = decltype(src_type);
+  const at::ScalarType st = k.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16, "kv_write_: k/v must be float32 or bfloat16");
+  with_kv_type(pool_k.scalar_type(), "kv_write_", [&](auto dst_type) {
     using T = decltype(dst_type);
-    kv_write_kernel<S, T>(k, v, pool_k.data_ptr<T>(), pool_v.data_ptr<T>(), sp, ap ? mirror_k->data_ptr<T>() : nullptr,
-                          ap ? mirror_v->data_ptr<T>() : nullptr, ap);
-  };
-  auto to = [&](auto src_type) {
-    if (dt == at::kFloat) run(src_type, float{});
-    else if (dt == at::kBFloat16) run(src_type, c10::BFloat16{});
-    else if (dt == at::kFloat8_e4m3fn) run(src_type, c10::Float8_e4m3fn{});
-    else run(src_type, c10::Float8_e5m2{});
-  };
-  if (st == at::kFloat) to(float{});
-  else to(c10::BFloat16{});
+    T *mk = ap ? mirror_k->data_ptr<T>() : nullptr, *mv = ap ? mirror_v->data_ptr<T>() : nullptr;
+    if (st == at::kFloat) kv_write_kernel<float, T>(k, v, pool_k.data_ptr<T>(), pool_v.data_ptr<T>(), sp, mk, mv, ap);
+    else kv_write_kernel<c10::BFloat16, T>(k, v, pool_k.data_ptr<T>(), pool_v.data_ptr<T>(), sp, mk, mv, ap);
+  });
 }
 
 // ---- float32 / bfloat16 small-M GEMM: the projections at decode batch sizes ----------------------
