@@ -4,12 +4,12 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.plait-setup
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup run example test bench clean
+.PHONY: setup run example test test-quick bench clean
 
 setup: $(STAMP)
 
 # Torch goes in first and pinned: a bare "torch" requirement would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml Makefile runtime/csrc/cpu_kernels.cpp
+$(STAMP): pyproject.toml Makefile $(wildcard runtime/csrc/*)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml Makefile runtime/csrc/cpu_kernels.cpp
 	# SGLang's frontend client, for tests/test_sglang_client.py: without deps, which pin torch,
 	# transformers and its GPU runtime (the client's own needs are in the test extra).
 	$(PY) -m pip install -q --no-deps sglang==0.5.5
-	# Build the fused CPU kernels once (cached under ~/.cache/torch_extensions), not in a server's start-up.
-	$(PY) -c "from plait.runtime import cpu_kernels; print('fused CPU kernels:', cpu_kernels.load())"
+	# Build the fused CPU kernels (cached under ~/.cache/torch_extensions), not in a server's start-up:
+	# the PLAIT_CPU_MARCH path (native by default) and every lower one this CPU runs, for the tests.
+	$(PY) -m plait.runtime.cpu_kernels
 	# Convert the GGUF once (cached under ~/.cache/plait) so the first run starts fast.
 	$(PY) -c "from plait.runtime.model_loader import resolve_model; print('default model:', resolve_model('smollm2'))"
 	touch $(STAMP)
@@ -32,8 +33,14 @@ run: setup
 example: setup
 	$(PY) examples/quickstart_engine.py
 
+# The whole suite, slowest tests listed. PLAIT_CPU_MARCH=x86-64-v3 (or x86-64, ...) runs it on that
+# kernel path; PLAIT_CPU_KERNELS=0 on the eager ops alone.
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
+
+# Without the slowest end-to-end tests (marked slow; `make test` and CI run them).
+test-quick: setup
+	$(PY) -m pytest -q -m "not slow" tests
 
 bench: setup
 	$(VENV)/bin/plait bench offline

@@ -1,4 +1,4 @@
-"""Fused CPU kernels for the decoder's small ops (`csrc/cpu_kernels.cpp`): RMSNorm (with the residual
+"""Fused CPU kernels for the decoder's small ops (`csrc/`): RMSNorm (with the residual
 add), RoPE, the step's K/V writes into the pool and the decode mirror, decode attention (queries and
 output in the model's dtype: no copies around it) and the MLP's silu(gate) * up, each one op instead
 of 3-10 aten ops; `small_gemm`, the float32 / bfloat16 projections at decode's batch sizes
@@ -18,22 +18,26 @@ greedy sampling.
 
 At decode batch sizes these ops touch a few KB each, so in eager PyTorch their cost is dispatch
 and OpenMP wake-ups; decode attention streams each row's K/V once for all the queries sharing a KV
-head (SDPA: 3 queries per head on SmolLM2, ~2x slower at every size measured: 1 row x 80 keys
-22 vs 11 us, 8 x 200 156 vs 70, 32 x 200 478 vs 207, 32 x 1000 3125 vs 1937; float32, 2 threads).
-Whole SmolLM2 decode steps, kernels off vs on in one process (rounds alternating, load 1.2-1.6):
-float32 batch 1 26.5 -> 24.1 ms, batch 32 100.2 -> 83.6; bfloat16 + int4 batch 1 17.5 -> 13.9,
-batch 32 70.9 -> 57.3. The C++ source is compiled
-once per machine on first use (`torch.utils.cpp_extension`, ~12 s here, cached under
-`~/.cache/torch_extensions`; `make setup` does it ahead of time). Where it cannot be built (no
-compiler), on other devices, or with `PLAIT_CPU_KERNELS=0`, every function here falls back to the
-eager PyTorch ops that compute the same thing — the reference the kernels are tested against.
+head (SDPA reads it once per query). The C++ (`csrc/`: `simd.h` shared, one file per kernel family,
+`bindings.cpp`) is compiled on the user's machine on first use (`torch.utils.cpp_extension`, cached
+under `~/.cache/torch_extensions`; `make setup` does it ahead of time) for `PLAIT_CPU_MARCH`
+(default native), each `-march` a build of its own under its own op namespace, so that one process
+can load several (the tests run every path the host executes). Where it cannot be built (no
+compiler), off x86-64 (unless `PLAIT_CPU_KERNELS=1`), on other devices, or with
+`PLAIT_CPU_KERNELS=0`, every function here falls back to the eager PyTorch ops that compute the same
+thing — the reference the kernels are tested against. Measured gains: docs/performance.md.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import platform
+import re
+import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -43,46 +47,183 @@ from .memory_pool import FP8_DTYPES, index_copy_bits_
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+_CSRC = Path(__file__).parent / "csrc"
 _lock = threading.Lock()
-_state: dict[str, object] = {}
+# ok: the active build loaded; ns: its op namespace; error: why it is not; builds: march -> ns or error
+_state: dict[str, object] = {"builds": {}}
 _DTYPES = (torch.float32, torch.bfloat16)
 _KV_DTYPES = _DTYPES + FP8_DTYPES   # what the pool and the mirror may hold
 
+# The active build's ops (torch.ops.<namespace>); set by load() / use()
+ops = None
 
-def _cpu_tag() -> str:
-    """The build uses -march=native: a cache shared by different CPUs must not share the binary."""
+# cpuinfo flags that select a kernel path (the C++ #if blocks), and what each x86-64 level implies
+_V3 = frozenset({"avx2", "fma", "f16c"})
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512vl"}
+_PATH_FLAGS = _V4 | {"avx512_bf16", "avx512_vnni", "amx_bf16"}
+_LEVELS = {"x86-64-v4": _V4, "x86-64-v3": _V3, "x86-64": frozenset()}
+
+
+def default_march() -> str:
+    """The ISA the kernels compile for: `PLAIT_CPU_MARCH` (any `-march` value: native, x86-64-v4,
+    x86-64-v3, x86-64, ...), native by default."""
+    return os.environ.get("PLAIT_CPU_MARCH", "").strip() or "native"
+
+
+def _cpu_features() -> str:
+    """This CPU's feature line (x86 `flags`, ARM `Features`), or the machine name where there is none."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
+def host_paths() -> list[str]:
+    """The `-march` values whose kernel paths this host can execute, each a different set of the
+    C++ code's ISA blocks: the configured one first, then (on x86-64) every lower level that takes
+    other blocks than it: on an AVX-512 host AVX-512 (with BF16 / VNNI where native has them),
+    AVX2 and scalar; on an AVX2 host AVX2 and scalar."""
+    first = default_march()
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return [first]
+    flags = set(_cpu_features().split())
+    native = frozenset(flags & _PATH_FLAGS)
+    chosen = [first]
+    seen = {_LEVELS.get(first, native if first == "native" else None)}
+    for march, need in [("native", native), *_LEVELS.items()]:
+        if need <= flags and need not in seen:
+            chosen.append(march)
+            seen.add(need)
+    return chosen
+
+
+class Unavailable(RuntimeError):
+    """The kernels are not built by choice or for want of a compiler (not a build that failed)."""
+
+
+def _compiler() -> str:
+    """The C++ compiler torch's build will run ($CXX, else c++): its first `--version` line."""
+    cxx = os.environ.get("CXX", "c++")
     try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = os.uname().machine
-    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise Unavailable(f"no C++ compiler ({cxx}: {e})") from None
+    if out.returncode:
+        raise Unavailable(f"no working C++ compiler ({cxx} --version exited {out.returncode})")
+    return out.stdout.splitlines()[0] if out.stdout else cxx
+
+
+def build_spec(march: str) -> tuple[str, str, list[str]]:
+    """(build name, op namespace, compiler flags) of the kernels for `march`. The name hashes what
+    the binary depends on: the sources, compiler, flags, torch and, for native, this CPU's features,
+    so that a shared cache never hands one CPU's (or compiler's) build to another."""
+    slug = re.sub(r"[^0-9a-zA-Z]+", "_", march).strip("_").lower()
+    ns = f"plait_cpu_{slug}"
+    cflags = ["-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp", f"-DPLAIT_NS={ns}"]
+    key = hashlib.sha1()
+    for part in (_compiler(), " ".join(cflags), torch.__version__, _cpu_features() if march == "native" else ""):
+        key.update(part.encode() + b"\0")
+    for f in sorted(_CSRC.iterdir()):
+        key.update(f.name.encode() + b"\0" + f.read_bytes())
+    return f"{ns}_{key.hexdigest()[:10]}", ns, cflags
+
+
+def _build(march: str) -> str:
+    """Compile (once per build name) and load the kernels for `march`; returns their op namespace."""
+    from torch.utils import cpp_extension
+    name, ns, cflags = build_spec(march)
+    sources = sorted(_CSRC.glob("*.cpp"))
+    cpp_extension.load(
+        name=name, sources=[str(f) for f in sources], is_python_module=False,
+        # -fopenmp: at::parallel_for is inline and runs serially without it; the library then binds
+        # to the libgomp.so.1 torch already loaded (one thread pool)
+        extra_cflags=cflags, extra_ldflags=["-fopenmp"], extra_include_paths=[str(_CSRC)], verbose=False)
+    if not hasattr(getattr(torch.ops, ns), "decode_attention"):
+        raise RuntimeError(f"the {march} build registered no ops")
+    return ns
+
+
+def _wanted() -> tuple[bool, str]:
+    """Whether to build the kernels at all, and why not: PLAIT_CPU_KERNELS=0 turns them off, =1 on;
+    unset they build on x86-64 only, the architecture whose paths the tests cover."""
+    flag = os.environ.get("PLAIT_CPU_KERNELS", "auto").strip().lower()
+    if flag in ("0", "false", "off", "no"):
+        return False, "disabled (PLAIT_CPU_KERNELS=0)"
+    if flag in ("auto", "") and platform.machine() not in ("x86_64", "AMD64"):
+        return False, f"not built on {platform.machine()} (only x86-64's paths are tested; PLAIT_CPU_KERNELS=1 builds them)"
+    return True, ""
+
+
+def build(march: str) -> str | None:
+    """The op namespace of the kernels built for `march` (built and loaded once a process), or
+    None where they cannot be (the reason in `build_error(march)`)."""
+    with _lock:
+        builds: dict = _state["builds"]
+        if march not in builds:
+            wanted, why = _wanted()
+            if not wanted:
+                builds[march] = Unavailable(why)
+            else:
+                try:
+                    builds[march] = _build(march)
+                except Unavailable as e:
+                    builds[march] = e
+                except Exception as e:   # a failed build: the eager ops still work
+                    builds[march] = RuntimeError(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1]}")
+        got = builds[march]
+        return got if isinstance(got, str) else None
+
+
+def build_error(march: str | None = None) -> Exception | None:
+    """Why the kernels for `march` (default: the configured one) did not load: an `Unavailable`
+    (turned off, not x86-64, no compiler) or the error of a failed build; None if they loaded."""
+    got = _state["builds"].get(march or default_march())
+    return got if isinstance(got, Exception) else None
+
+
+def _activate(ns: str | None) -> None:
+    global ops
+    _state["ok"], _state["ns"] = ns is not None, ns
+    ops = getattr(torch.ops, ns) if ns else None
 
 
 def load() -> bool:
-    """Build (once per machine) and load the kernels; False, with a warning logged once, when
-    they cannot be used. Thread-safe; concurrent processes wait on torch's build lock."""
+    """Build (once per machine and cache key) and load the kernels for `default_march()`; False,
+    with a warning logged once, when they cannot be used. Thread-safe; concurrent processes wait on
+    torch's build lock."""
+    if "ok" in _state:
+        return bool(_state["ok"])
+    march = default_march()
+    ns = build(march)
     with _lock:
-        if "ok" in _state:
-            return bool(_state["ok"])
-        ok = False
-        if os.environ.get("PLAIT_CPU_KERNELS", "1") == "0":
-            logger.info("fused CPU kernels disabled (PLAIT_CPU_KERNELS=0)")
-        else:
-            try:
-                from torch.utils import cpp_extension
-                cpp_extension.load(
-                    name=f"plait_cpu_kernels_{_cpu_tag()}", sources=[str(_SOURCE)], is_python_module=False,
-                    # -fopenmp: at::parallel_for is inline and runs serially without it; the
-                    # library then binds to the libgomp.so.1 torch already loaded (one thread pool)
-                    extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
-                ok = hasattr(torch.ops.plait_cpu, "decode_attention")
-            except Exception as e:   # no compiler / ninja / headers: the eager ops still work
-                logger.warning("fused CPU kernels unavailable (%s: %s); using eager PyTorch ops",
-                               type(e).__name__, str(e).strip().splitlines()[-1:] or "")
-        _state["ok"] = ok
-        return ok
+        if "ok" not in _state:
+            _activate(ns)
+            if ns is None:
+                why = build_error(march)
+                (logger.info if isinstance(why, Unavailable) else logger.warning)(
+                    "fused CPU kernels unavailable (%s); using eager PyTorch ops", why)
+    return bool(_state["ok"])
+
+
+@contextlib.contextmanager
+def use(march: str) -> Iterator[bool]:
+    """Run the block on the kernels built for `march` (for tests: each path this host executes);
+    yields whether they loaded. Weights packed for one build (`pack_panels`) must be packed again
+    under another: the layouts differ between paths."""
+    load()
+    before = _state["ns"]
+    ns = build(march)
+    _activate(ns)
+    try:
+        yield ns is not None
+    finally:
+        _activate(before)
+
+
+def plan_class():
+    """The active build's `DecodePlan` class (decode_layers_'s fixed arguments)."""
+    return getattr(torch.classes, _state["ns"]).DecodePlan
 
 
 def enabled(x: torch.Tensor) -> bool:
@@ -100,14 +241,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim with HF's rounding in bfloat16 (normalize in float32, round,
     then scale by the weight in the model's dtype)."""
     if enabled(x) and x.is_contiguous() and weight.dtype == x.dtype:
-        return torch.ops.plait_cpu.rms_norm(x, weight, eps)
+        return ops.rms_norm(x, weight, eps)
     return _rms_norm_eager(x, weight, eps)
 
 
 def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`x += delta` in place (the residual stream), then `rms_norm(x)`."""
     if enabled(x) and x.is_contiguous() and delta.is_contiguous() and delta.dtype == weight.dtype == x.dtype:
-        return torch.ops.plait_cpu.add_rms_norm_(x, delta, weight, eps)
+        return ops.add_rms_norm_(x, delta, weight, eps)
     x.add_(delta)
     return _rms_norm_eager(x, weight, eps)
 
@@ -123,7 +264,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, hea
     `[tokens, width]`; `cos`/`sin` are float32 `[tokens, head_dim]` (rounded to `x`'s dtype
     first, as HF does)."""
     if enabled(x) and x.stride(-1) == 1:
-        torch.ops.plait_cpu.rope_(x, cos, sin, heads, head_dim)
+        ops.rope_(x, cos, sin, heads, head_dim)
         return
     part = x[:, :heads * head_dim].view(-1, heads, head_dim)
     c, s = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
@@ -140,7 +281,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: to
     `rows[b]` and its first `lens[rows[b]]` keys. Sums in float32 (bfloat16 q and keys: the scores
     by bfloat16 dot products, exact products); returns `[n, H, D]` in q's dtype."""
     if kv_enabled(k) and enabled(q):
-        return torch.ops.plait_cpu.decode_attention(q, k, v, lens, scale, rows)
+        return ops.decode_attention(q, k, v, lens, scale, rows)
     n, heads, dim = q.shape
     if rows is None:
         k, v, lens = k[:n], v[:n], lens[:n]
@@ -159,7 +300,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` of the merged projection's output `[T, 2I]` (gate then up) -> `[T, I]`,
     with the eager model's rounding in bfloat16 (silu rounded before the product)."""
     if enabled(gate_up) and gate_up.dim() == 2 and gate_up.is_contiguous():
-        return torch.ops.plait_cpu.silu_mul(gate_up)
+        return ops.silu_mul(gate_up)
     gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
     return F.silu(gate) * up
 
@@ -171,7 +312,7 @@ def kv_write_(pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor, k
     with `mirror_at`, also into the contiguous mirror buffers viewed as rows of D: token t's head h
     to row `mirror_at[t * KVH + h]`. One op instead of six."""
     if enabled(k) and kv_enabled(pool_k):
-        torch.ops.plait_cpu.kv_write_(pool_k, pool_v, slots, k, v, mirror_k, mirror_v, mirror_at)
+        ops.kv_write_(pool_k, pool_v, slots, k, v, mirror_k, mirror_v, mirror_at)
         return
     index_copy_bits_(pool_k, slots, k.to(pool_k.dtype))
     index_copy_bits_(pool_v, slots, v.to(pool_v.dtype))
@@ -186,7 +327,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     counting as the maximum), ~5x faster than torch's on the CPU."""
     if _state.get("ok", False) is True and x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 \
             and x.is_contiguous() and 0 < x.shape[1] < 2 ** 31:
-        return torch.ops.plait_cpu.argmax_rows(x)
+        return ops.argmax_rows(x)
     return x.argmax(dim=-1)
 
 
@@ -198,25 +339,25 @@ def decode_profile_start() -> bool:
     """Start timing `decode_layers_` by part (zeroed); False where the kernels do not run."""
     if _state.get("ok", False) is not True:
         return False
-    torch.ops.plait_cpu.decode_profile_(True)
+    ops.decode_profile_(True)
     return True
 
 
 def decode_profile_stop() -> tuple[int, dict[str, float]]:
     """Stop timing; (`decode_layers_` calls timed, seconds per part summed over them)."""
-    got = torch.ops.plait_cpu.decode_profile().tolist()
-    torch.ops.plait_cpu.decode_profile_(False)
+    got = ops.decode_profile().tolist()
+    ops.decode_profile_(False)
     return int(got[0]), {part: us / 1e6 for part, us in zip(DECODE_PARTS, got[1:])}
 
 
 def int8_gemv_available() -> bool:
-    """Whether `torch.ops.plait_cpu.int8_gemv` runs here: kernels built (`load()` called) for a
+    """Whether `ops.int8_gemv` runs here: kernels built (`load()` called) for a
     CPU with AVX512-VNNI or AVX2."""
-    return _state.get("ok", False) is True and bool(torch.ops.plait_cpu.has_int_gemv())
+    return _state.get("ok", False) is True and bool(ops.has_int_gemv())
 
 
 def int4_gemv_available() -> bool:
-    """Whether `torch.ops.plait_cpu.int4_gemv` (int4 weights packed by `int4_gemv_pack`, any rows)
+    """Whether `ops.int4_gemv` (int4 weights packed by `int4_gemv_pack`, any rows)
     runs here: the same condition as `int8_gemv`'s."""
     return int8_gemv_available()
 
@@ -224,14 +365,14 @@ def int4_gemv_available() -> bool:
 def int4_gemv_all_rows() -> bool:
     """Whether `int4_gemv` beats a bfloat16 copy of the weights at every row count here, not only at
     decode's few: where it runs and the CPU has no bfloat16 dot products (AVX512-BF16, AMX)."""
-    return int4_gemv_available() and bool(torch.ops.plait_cpu.int4_gemv_all_rows())
+    return int4_gemv_available() and bool(ops.int4_gemv_all_rows())
 
 
 def int8_rows_available() -> bool:
-    """Whether `torch.ops.plait_cpu.int8_rows` (int8 weights packed by `int8_rows_pack`, any rows)
+    """Whether `ops.int8_rows` (int8 weights packed by `int8_rows_pack`, any rows)
     runs here: kernels built for a CPU with AVX2 and no AVX-512 (there int8_gemv and the bfloat16
     copy serve)."""
-    return _state.get("ok", False) is True and bool(torch.ops.plait_cpu.has_int8_rows())
+    return _state.get("ok", False) is True and bool(ops.has_int8_rows())
 
 
 def int8_rows_pack(q: torch.Tensor) -> torch.Tensor:
@@ -244,15 +385,15 @@ def int8_rows_pack(q: torch.Tensor) -> torch.Tensor:
 
 
 def small_gemm_available(dtype: torch.dtype) -> bool:
-    """Whether `torch.ops.plait_cpu.small_gemm` (any number of rows on weights packed by `pack_panels`)
+    """Whether `ops.small_gemm` (any number of rows on weights packed by `pack_panels`)
     runs here for `dtype`: kernels built (`load()` called) for a CPU with AVX512BW/VL (and AVX512-BF16 for
     bfloat16) or with AVX2."""
     return (_state.get("ok", False) is True and dtype in _DTYPES
-            and bool(torch.ops.plait_cpu.has_small_gemm(dtype == torch.bfloat16)))
+            and bool(ops.has_small_gemm(dtype == torch.bfloat16)))
 
 
 def _bf16_k_pairs() -> bool:
-    return not load() or bool(torch.ops.plait_cpu.bf16_panels_k_pairs())
+    return not load() or bool(ops.bf16_panels_k_pairs())
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -291,3 +432,15 @@ def int4_gemv_pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) 
         return t.to(torch.float16).reshape(n // 16, 16, g).transpose(1, 2).contiguous().view(torch.uint8)
 
     return torch.cat([codes, per_group(scale), per_group(minimum)], dim=-1).contiguous()
+
+
+def main() -> None:
+    """`python -m plait.runtime.cpu_kernels`: build the kernels for every path this host executes
+    (`make setup` does, so that neither a server's start nor the tests wait on the compiler)."""
+    for march in host_paths():
+        ok = build(march) is not None
+        print(f"fused CPU kernels, -march={march}: {'built' if ok else build_error(march)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -160,7 +160,7 @@ class DecodeMirror:
                      order: torch.Tensor | None) -> MirrorPlan | None:
         """`mirror_steady_` for batch row b at mirror row `target[b]` (`order`: its inverse, None when
         identity), and the plan of that step; None where a mirror no longer equals the pool."""
-        keep_at = torch.ops.plait_cpu.mirror_steady_(self.ids, self.stamps, self.lens, self.slot_stamp, kv,
+        keep_at = cpu_kernels.ops.mirror_steady_(self.ids, self.stamps, self.lens, self.slot_stamp, kv,
                                                      g.prefix_lens, target, self.clock, self.kv_heads)
         if keep_at.numel() == 0:
             return None

@@ -110,7 +110,7 @@ class PackedLinear(nn.Module):
         x2 = x if flat else x.reshape(-1, x.shape[-1])
         rows = x2.shape[0]
         if self._small_takes(rows, x2.dtype):
-            y = torch.ops.plait_cpu.small_gemm(x2, self.panels, self.small_bias, self.out_features, widen)
+            y = cpu_kernels.ops.small_gemm(x2, self.panels, self.small_bias, self.out_features, widen)
         elif self.halves is not None and rows == 1 and x2.is_contiguous():
             # [2, N/2, K] @ [2, K, 1] -> [2, N/2, 1], which is the [1, N] row as it lies
             # (x as [K, 1] with strides (1, K): the layout bmm's fast path takes)

@@ -241,11 +241,11 @@ class Int8Linear(_WeightOnlyLinear):
         """`widen`: the result may come back as float32 (an LM head's logits: int8_gemv computes
         them in float32, and the caller widens them anyway)."""
         if x.dim() == 2 and self._vnni_takes(x.shape[0]):
-            y = torch.ops.plait_cpu.int8_gemv(x, self.qweight, self.scale)   # float32 out
+            y = cpu_kernels.ops.int8_gemv(x, self.qweight, self.scale)   # float32 out
             return y if widen else self._output(x, y)
         x2 = _rows(x)
         if self._rows_takes(x2.shape[0]):
-            y = torch.ops.plait_cpu.int8_rows(x2, self.packed_rows, self.scale)   # float32 out
+            y = cpu_kernels.ops.int8_rows(x2, self.packed_rows, self.scale)   # float32 out
             return y if widen and x.dim() == 2 else self._output(x, y)
         if self.kernel == "int8pack" and x2.shape[0] < _INT8PACK_MAX_ROWS:
             y = torch._weight_int8pack_mm(_bf16_contiguous(x2), self.qweight, self.scale_bf16)
@@ -385,7 +385,7 @@ class Int4Linear(_WeightOnlyLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _rows(x)
         if self._gemv_takes(x2.shape[0]):
-            return self._output(x, torch.ops.plait_cpu.int4_gemv(x2, self.packed_gemv, self.gemv_bias))
+            return self._output(x, cpu_kernels.ops.int4_gemv(x2, self.packed_gemv, self.gemv_bias))
         if self._int4mm_takes(x2.shape[0]):
             # bfloat16 activations: with float32 ones the kernel is ~20x slower.
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(

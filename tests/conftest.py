@@ -72,6 +72,18 @@ def tiny_model_dirs(tmp_path_factory, smollm2_path) -> dict[str, str]:
     return out
 
 
+def require_kernels(march: str | None = None) -> None:
+    """Build the fused CPU kernels for `march` (default: the configured path); skip the test with
+    the reason where they are not wanted or there is no compiler; fail where a build failed."""
+    from plait.runtime import cpu_kernels
+    march = march or cpu_kernels.default_march()
+    if cpu_kernels.build(march) is None:
+        err = cpu_kernels.build_error(march)
+        if isinstance(err, cpu_kernels.Unavailable):
+            pytest.skip(f"fused CPU kernels ({march}): {err}")
+        pytest.fail(f"fused CPU kernels ({march}) did not build: {err}")
+
+
 def assert_no_leak(engine) -> None:
     """Every KV slot is free or owned by the prefix cache once the engine is idle."""
     assert engine.kv_slots_in_use() == 0

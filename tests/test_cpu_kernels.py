@@ -1,8 +1,10 @@
-"""The fused CPU kernels (runtime/csrc/cpu_kernels.cpp) against the eager PyTorch ops they replace:
+"""The fused CPU kernels (runtime/csrc/) against the eager PyTorch ops they replace:
 bfloat16 bit for bit where nothing is summed (HF's rounding at every step), float32 and the
 norms to summation-order noise, decode
 attention against SDPA over padded rows and strided views, for the vectorized (head_dim 64) and
-the plain (head_dim 8) paths, serial and split across threads."""
+the plain (head_dim 8) paths, serial and split across threads. Every test runs once for each ISA
+path this host can execute (`cpu_kernels.host_paths()`: native, then AVX-512, AVX2, scalar builds as
+the CPU allows), each build loaded side by side under its own op namespace."""
 from __future__ import annotations
 
 import os
@@ -12,15 +14,20 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import require_kernels
 from plait.runtime import cpu_kernels
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    # CI builds them (make setup): a machine that cannot is a failure here, not a silent fallback.
-    assert cpu_kernels.load(), "the fused CPU kernels did not build"
+@pytest.fixture(scope="module", autouse=True, params=cpu_kernels.host_paths())
+def kernels(request):
+    """The module's tests on the build for one `-march` path. Where no build is wanted (kernels
+    off, not x86-64) or no compiler is found, they skip with the reason; a build that fails on a
+    host with a compiler is a failure, not a silent fallback."""
+    require_kernels(request.param)
+    with cpu_kernels.use(request.param):
+        yield request.param
 
 
 def eager(fn, *args):
@@ -235,7 +242,7 @@ def test_int8_gemv_is_the_exact_product_up_to_int16_activations(rows, x_dtype):
     w = torch.randint(-127, 128, (1000, 576), dtype=torch.int8, generator=g)
     scale = torch.rand(1000, generator=g) / 50
     x = (torch.randn(rows, 576, generator=g) * torch.rand(576, generator=g) * 10).to(x_dtype)  # uneven channels
-    got = torch.ops.plait_cpu.int8_gemv(x, w, scale)
+    got = cpu_kernels.ops.int8_gemv(x, w, scale)
     ref = (x.double() @ w.double().t()) * scale.double()
     assert got.dtype == torch.float32 and got.shape == (rows, 1000)
     assert ((got.double() - ref).abs().max() / ref.abs().max()) < 1e-4   # bfloat16 activations: ~4e-3
@@ -252,14 +259,14 @@ def test_int8_rows_is_int8_gemv_in_another_layout(rows, x_dtype):
     x = (torch.randn(rows, 640, generator=g) * torch.rand(640, generator=g) * 10).to(x_dtype)
     packed = cpu_kernels.int8_rows_pack(w)
     assert packed.shape == (6, 320, 32) and torch.equal(packed[1, 3, 4:6], w[18, 6:8])   # output 16 + 2, k 6-7
-    got = torch.ops.plait_cpu.int8_rows(x, packed, scale)
+    got = cpu_kernels.ops.int8_rows(x, packed, scale)
     ref = (x.double() @ w.double().t()) * scale.double()
     assert got.dtype == torch.float32 and got.shape == (rows, 96)
     assert ((got.double() - ref).abs().max() / ref.abs().max()) < 1e-4   # int16 activations, as int8_gemv
     # the same int32 block sums as int8_gemv's: equal up to float32 summation order
-    torch.testing.assert_close(got, torch.ops.plait_cpu.int8_gemv(x, w, scale), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    torch.testing.assert_close(got, cpu_kernels.ops.int8_gemv(x, w, scale), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     with pytest.raises(RuntimeError, match=r"\[M >= 1, K\]"):
-        torch.ops.plait_cpu.int8_rows(x[:, :64], packed, scale)
+        cpu_kernels.ops.int8_rows(x[:, :64], packed, scale)
     with pytest.raises(ValueError, match="multiple of 16"):
         cpu_kernels.int8_rows_pack(w[:40])
 
@@ -291,7 +298,7 @@ def test_int8_linear_vnni_gemv_rows():
 def test_small_gemm_matches_linear(rows, dtype, n, k):
     if not cpu_kernels.small_gemm_available(dtype):
         pytest.skip("no AVX512BW/VL (or BF16) or AVX2")
-    if k % 2 and dtype == torch.bfloat16 and torch.ops.plait_cpu.bf16_panels_k_pairs():
+    if k % 2 and dtype == torch.bfloat16 and cpu_kernels.ops.bf16_panels_k_pairs():
         pytest.skip("AVX512-BF16's panels hold pairs of k")
     g = torch.Generator().manual_seed(rows * k)
     w = torch.randn(n, k, generator=g).to(dtype)
@@ -300,14 +307,14 @@ def test_small_gemm_matches_linear(rows, dtype, n, k):
     panels = cpu_kernels.pack_panels(w)
     assert panels.shape[0] == -(-n // 32) and panels.numel() == panels.shape[0] * 32 * k
     for b in (None, bias):
-        got = torch.ops.plait_cpu.small_gemm(x, panels, b, n)
+        got = cpu_kernels.ops.small_gemm(x, panels, b, n)
         ref = F.linear(x.double(), w.double(), None if b is None else b.double())
         assert got.dtype == dtype and got.shape == (rows, n)
         if dtype == torch.float32:   # float32 sums in another order
             torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
         else:                        # exact products, float32 sums, one bfloat16 rounding of the output
             torch.testing.assert_close(got.double(), ref, rtol=2 ** -8, atol=1e-3)
-        widened = torch.ops.plait_cpu.small_gemm(x, panels, b, n, True)   # the same values, as float32
+        widened = cpu_kernels.ops.small_gemm(x, panels, b, n, True)   # the same values, as float32
         assert widened.dtype == torch.float32 and torch.equal(widened, got.float())
 
 
@@ -316,14 +323,14 @@ def test_small_gemm_rejects_what_it_does_not_take():
     panels = cpu_kernels.pack_panels(w)
     assert panels.shape == (2, 64, 32) and (panels[1, :, 8:] == 0).all()   # padding columns
     with pytest.raises(RuntimeError, match=r"\[M >= 1, K\]"):
-        torch.ops.plait_cpu.small_gemm(torch.randn(0, 64), panels, None, 40)
+        cpu_kernels.ops.small_gemm(torch.randn(0, 64), panels, None, 40)
     with pytest.raises(RuntimeError, match="N does not fit"):
-        torch.ops.plait_cpu.small_gemm(torch.randn(1, 64), panels, None, 70)
+        cpu_kernels.ops.small_gemm(torch.randn(1, 64), panels, None, 70)
     with pytest.raises(RuntimeError, match="one dtype"):
-        torch.ops.plait_cpu.small_gemm(torch.randn(1, 64).bfloat16(), panels, None, 40)
+        cpu_kernels.ops.small_gemm(torch.randn(1, 64).bfloat16(), panels, None, 40)
     with pytest.raises(RuntimeError, match="panels"):
-        torch.ops.plait_cpu.small_gemm(torch.randn(1, 64), w, None, 40)
-    if torch.ops.plait_cpu.bf16_panels_k_pairs():   # AVX512-BF16's pairs of k
+        cpu_kernels.ops.small_gemm(torch.randn(1, 64), w, None, 40)
+    if cpu_kernels.ops.bf16_panels_k_pairs():   # AVX512-BF16's pairs of k
         with pytest.raises(ValueError, match="even K"):
             cpu_kernels.pack_panels(torch.randn(32, 63).bfloat16())
     else:                                             # AVX2's one k a row: any K
@@ -352,25 +359,25 @@ def test_int4_gemv_matches_linear(rows, x_dtype, k):
     x = (torch.randn(rows, k, generator=g) * torch.rand(k, generator=g) * 10).to(x_dtype)   # uneven channels
     bias = torch.randn(96, generator=g)
     for b in (None, bias):
-        got = torch.ops.plait_cpu.int4_gemv(x, packed, b)
+        got = cpu_kernels.ops.int4_gemv(x, packed, b)
         ref = F.linear(x.double(), w, None if b is None else b.double())
         assert got.dtype == x_dtype and got.shape == (rows, 96)
         err = (got.double() - ref).abs().max() / ref.abs().max()
         # int16 activations: ~1e-5; then one bfloat16 rounding of the output
         assert err < (1e-4 if x_dtype == torch.float32 else 2 ** -8), err
         if rows > 8:   # a row's result does not depend on the rows beside it
-            assert torch.equal(got[8:9], torch.ops.plait_cpu.int4_gemv(x[8:9], packed, b))
+            assert torch.equal(got[8:9], cpu_kernels.ops.int4_gemv(x[8:9], packed, b))
 
 
 def test_int4_gemv_rejects_what_it_does_not_take():
     q, scale, minimum, _ = _int4_weight(16, 64, torch.Generator().manual_seed(0))
     packed = cpu_kernels.int4_gemv_pack(q, scale, minimum)
     with pytest.raises(RuntimeError, match=r"\[M >= 1, K\]"):
-        torch.ops.plait_cpu.int4_gemv(torch.randn(0, 64), packed, None)
+        cpu_kernels.ops.int4_gemv(torch.randn(0, 64), packed, None)
     with pytest.raises(RuntimeError, match=r"\[M >= 1, K\]"):
-        torch.ops.plait_cpu.int4_gemv(torch.randn(1, 96), packed, None)
+        cpu_kernels.ops.int4_gemv(torch.randn(1, 96), packed, None)
     with pytest.raises(RuntimeError, match="bias"):
-        torch.ops.plait_cpu.int4_gemv(torch.randn(1, 64), packed, torch.randn(15))
+        cpu_kernels.ops.int4_gemv(torch.randn(1, 64), packed, torch.randn(15))
     with pytest.raises(ValueError, match="multiple of 16"):
         cpu_kernels.int4_gemv_pack(q[:8], scale[:8], minimum[:8])
 
@@ -390,6 +397,20 @@ def test_silu_mul_matches_eager(dtype, rows, inter):
     else:   # silu rounded to bfloat16 before the product, as eager does; exp's last bits may flip one
         close = (got.float() - ref.float()).abs() <= 2 ** -7 * ref.float().abs() + 1e-6
         assert close.all() and (got == ref).float().mean() > 0.99
+
+
+def skip_without_fused_op(dtype: str, quantization: str | None = None) -> None:
+    """Skip where this path has no kernel for the decoder's projections in `dtype` / `quantization`
+    (a scalar build, or AVX-512 without BF16 for bfloat16 / without VNNI for int8 and int4): there
+    the model runs its layer loop, which the other tests cover."""
+    if quantization == "int4":
+        has = cpu_kernels.int4_gemv_available()
+    elif quantization == "int8":
+        has = cpu_kernels.int8_gemv_available() or cpu_kernels.int8_rows_available()
+    else:
+        has = cpu_kernels.small_gemm_available(getattr(torch, dtype))
+    if not has:
+        pytest.skip(f"no fused decode op on this path for {dtype} {quantization or ''} projections")
 
 
 def _decode_logits(path: str, fused: bool, rows: int, prompt: int = 9, new: int = 9, head_in_op: bool = True,
@@ -445,6 +466,7 @@ def test_decode_layers_equals_the_layer_loop(tiny_model_dirs, arch, dtype, quant
     """One op for all layers of a steady decode step runs the loop's kernels in its order: the very
     same logits at every step, and every steady step takes it (all but the prefill, the first
     decode step and the one after a request left, which copy rows into the mirror)."""
+    skip_without_fused_op(dtype, quantization)
     args = dict(dtype=dtype, quantization=quantization)
     got, fused_steps = _decode_logits(tiny_model_dirs[arch], True, rows, **args)
     ref, none = _decode_logits(tiny_model_dirs[arch], False, rows, **args)
@@ -458,6 +480,7 @@ def test_a_bfloat16_kv_cache_under_a_float32_model(tiny_model_dirs, rows):
     (half the bytes a step reads), the steady steps still take the fused op, which equals the layer
     loop bit for bit; the logits move from a float32 cache's by K/V's rounding only (float16's
     finer rounding: less)."""
+    skip_without_fused_op("float32")
     from plait.cli import _ENGINE_OPTIONS, build_parser
     from plait.runtime.server_args import ServerArgs
     path, keep = tiny_model_dirs["llama"], {}
@@ -489,6 +512,7 @@ def test_an_fp8_kv_cache_under_a_bfloat16_model(tiny_model_dirs, kv, rows):
     byte a value (half a bfloat16 cache's), the steady steps still take the fused op, equal to the
     layer loop bit for bit; the logits move from a bfloat16 cache's by K/V's rounding only, e4m3's
     3 mantissa bits less than e5m2's 2."""
+    skip_without_fused_op("bfloat16")
     from plait.cli import build_parser
     path, keep = tiny_model_dirs["llama"], {}
     fp8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv]
@@ -528,7 +552,7 @@ def test_fp8_kv_kernels_read_and_write_exactly(kv):
     for src in (torch.float32, torch.bfloat16):
         k, v = (torch.randn(2, 3, 64) * 8).to(src), (torch.randn(2, 3, 64) * 1e-2).to(src)
         at = torch.tensor([0, 9, 17, 30, 50, 95])
-        torch.ops.plait_cpu.kv_write_(pool_k, pool_v, torch.tensor([4, 7]), k, v, mirror_k, mirror_v, at)
+        cpu_kernels.ops.kv_write_(pool_k, pool_v, torch.tensor([4, 7]), k, v, mirror_k, mirror_v, at)
         for got, want in ((pool_k[[4, 7]], k), (pool_v[[4, 7]], v),
                           (mirror_k.view(-1, 64)[at].view(2, 3, 64), k), (mirror_v.view(-1, 64)[at].view(2, 3, 64), v)):
             assert torch.equal(got.view(torch.uint8), want.float().to(kv).view(torch.uint8))
@@ -536,7 +560,7 @@ def test_fp8_kv_kernels_read_and_write_exactly(kv):
     values = torch.arange(256, dtype=torch.uint8).view(kv)
     values = values[~values.float().isnan()]
     values = torch.cat([values, torch.zeros(-len(values) % 64, dtype=kv)]).reshape(4, 1, 1, 64)
-    out = torch.ops.plait_cpu.decode_attention(torch.zeros(4, 1, 64), torch.zeros_like(values), values,
+    out = cpu_kernels.ops.decode_attention(torch.zeros(4, 1, 64), torch.zeros_like(values), values,
                                                torch.ones(4, dtype=torch.int64), 1.0, None)
     assert torch.equal(out.view(4, 64), values.float().view(4, 64))
     k, v = (torch.randn(3, 3, 70, 64) * 3).to(kv), torch.randn(3, 3, 70, 64).to(kv)
@@ -551,6 +575,7 @@ def test_fp8_kv_kernels_read_and_write_exactly(kv):
 def test_decode_layers_with_the_head_outside_the_op(tiny_model_dirs, dtype, quantization):
     """Where the LM head's kernel is not one of the op's (tensor parallel, another kernel), the
     layers still run in one op and the head after it in Python: the same logits."""
+    skip_without_fused_op(dtype, quantization)
     args = dict(dtype=dtype, quantization=quantization)
     got, fused_steps = _decode_logits(tiny_model_dirs["llama"], True, 2, head_in_op=False, **args)
     ref, _ = _decode_logits(tiny_model_dirs["llama"], False, 2, **args)
@@ -563,6 +588,7 @@ def test_decode_layers_follow_the_mirror_when_it_grows(tiny_model_dirs, monkeypa
     reallocated (a context outgrowing its 256 keys, rows kept), the very next step, still fused,
     attends the new blocks, and no plan keeps the old ones (2 rows: the first request leaves
     before the growth, its row count's plan must go too)."""
+    skip_without_fused_op("float32")
     from plait.runtime.decode_mirror import DecodeMirror
     grown, resize = [], DecodeMirror._resize
     monkeypatch.setattr(DecodeMirror, "_resize", lambda self, rows, length: grown.append(length) or resize(self, rows, length))
@@ -580,6 +606,7 @@ def test_decode_layers_follow_the_mirror_when_it_grows(tiny_model_dirs, monkeypa
 @pytest.mark.parametrize("dtype,quantization,rows", [("bfloat16", "int4", 2), ("bfloat16", None, 3)])
 def test_decode_layers_equal_the_layer_loop_on_smollm2(smollm2_path, dtype, quantization, rows):
     """The same on the real model's shapes (head_dim 64, 9 query / 3 KV heads, int4 groups of 32)."""
+    skip_without_fused_op(dtype, quantization)
     args = dict(dtype=dtype, quantization=quantization)
     got, fused_steps = _decode_logits(smollm2_path, True, rows, **args)
     ref, _ = _decode_logits(smollm2_path, False, rows, **args)
@@ -631,15 +658,15 @@ def test_mirror_steady_appends_or_changes_nothing():
     lens[2], lens[0] = 2, 3
     before = (ids.clone(), stamps.clone(), lens.clone())
     slot_stamp[10] = 7                                        # slot 10 rewritten since it was copied
-    out = torch.ops.plait_cpu.mirror_steady_(ids, stamps, lens, slot_stamp, kv, pre, targets, 9, kv_heads)
+    out = cpu_kernels.ops.mirror_steady_(ids, stamps, lens, slot_stamp, kv, pre, targets, 9, kv_heads)
     assert out.numel() == 0
     assert all(torch.equal(a, b) for a, b in zip((ids, stamps, lens), before))
     slot_stamp[10] = 3
     for bad in ([0, 2], [2, 3]):                              # each row's mirror checked where it lies
-        out = torch.ops.plait_cpu.mirror_steady_(ids, stamps, lens, slot_stamp, kv, pre, torch.tensor(bad), 9, kv_heads)
+        out = cpu_kernels.ops.mirror_steady_(ids, stamps, lens, slot_stamp, kv, pre, torch.tensor(bad), 9, kv_heads)
         assert out.numel() == 0
         assert all(torch.equal(a, b) for a, b in zip((ids, stamps, lens), before))
-    out = torch.ops.plait_cpu.mirror_steady_(ids, stamps, lens, slot_stamp, kv, pre, targets, 9, kv_heads)
+    out = cpu_kernels.ops.mirror_steady_(ids, stamps, lens, slot_stamp, kv, pre, targets, 9, kv_heads)
     assert out.tolist() == [(t * kv_heads + h) * cap + p for t, p in ((2, 2), (0, 3)) for h in range(kv_heads)]
     assert ids[2, 2] == 7 and ids[0, 3] == 12 and stamps[2, 2] == stamps[0, 3] == 9 and lens.tolist() == [4, 0, 3]
 
@@ -649,7 +676,7 @@ def test_parallel_shares_run_every_index_once(n, min_share, chunk):
     """The GEMVs' split: each thread runs its own share front to back, then takes chunks from the
     back of a slower thread's; every index runs exactly once, and a slow thread's share is taken
     over (thread 0 sleeps 3 ms in each chunk it runs)."""
-    who = torch.ops.plait_cpu.shares_coverage(n, min_share, chunk, 3000)
+    who = cpu_kernels.ops.shares_coverage(n, min_share, chunk, 3000)
     assert who.shape == (n,) and (who >= 0).all()   # -1: never ran, -2: ran twice
     threads = min(torch.get_num_threads(), max(1, n // min_share))
     if threads > 1 and n // threads > chunk:   # share 0 has chunks thread 0 did not get to

@@ -233,6 +233,7 @@ def test_run_async_does_not_block_the_loop():
 
 
 # --- the benchmark --------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_programs_benchmark_smoke(tiny_model_dirs, tmp_path):
     out = tmp_path / "programs.json"
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}

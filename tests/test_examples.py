@@ -15,6 +15,7 @@ EXAMPLES = sorted(p for p in glob.glob(os.path.join(REPO, "examples", "*.py"))
                   if not os.path.basename(p).startswith("_"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", EXAMPLES, ids=os.path.basename)
 def test_example_runs(path):
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}

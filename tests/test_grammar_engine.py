@@ -102,6 +102,7 @@ def test_xgrammar_pattern_optional_group(xgr_backend):
 
 
 # --- the corpus -----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_corpus_outputs_validate(engine, capsys):
     assert len(sc.SCHEMAS) >= 50
     prompts, params, owners = [], [], []

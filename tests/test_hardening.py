@@ -627,6 +627,7 @@ def test_logs_never_hold_prompts_unless_asked(engine, caplog):
 
 
 # --- soak -------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_soak_short(tiny_model_dirs, capsys):
     """`plait bench soak` for ~30 s on the tiny model: mixed traffic with aborts; nothing lost, no
     KV slot leaked (the benchmark's own verdict), and its report has the RSS curve and counts."""

@@ -157,11 +157,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor | None:
         fused = self._begin_fused_decode(batch, backend)
         if fused is not None and fused[2] and batch.logits_all:   # token ids to logits in one op
-            return torch.ops.plait_cpu.decode_step(batch.input_ids, batch.positions, fused[0], *fused[1])
+            return cpu_kernels.ops.decode_step(batch.input_ids, batch.positions, fused[0], *fused[1])
         x, delta = self.embed_tokens(batch.input_ids), None
         cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
         if fused is not None:
-            delta = torch.ops.plait_cpu.decode_layers_(x, fused[0], cos, sin, *fused[1])
+            delta = cpu_kernels.ops.decode_layers_(x, fused[0], cos, sin, *fused[1])
         else:
             for layer in self.layers:
                 x, delta = layer(x, delta, cos, sin, batch, backend)
@@ -200,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
     def _make_decode_handle(self, key: tuple[int, torch.dtype], plan: tuple, blocks: tuple) -> tuple:
         """(a `DecodePlan` of `plan`'s weights and the backend's `blocks`, whether it has the ends)."""
         attn = self.layers[0].self_attn
-        handle = torch.classes.plait_cpu.DecodePlan(
+        handle = cpu_kernels.plan_class()(
             plan[0], plan[1], *blocks, attn.num_heads, attn.kv_heads, attn.head_dim,
             self.layers[0].input_layernorm.eps, attn.scale)
         head = self.lm_head.decode_kernel(*key)
