@@ -152,6 +152,16 @@ class NamedToolChoice(_Open):
 class ResponseFormat(_Open):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")   # with json_object (llama.cpp's form)
+
+
+class StructuredOutputs(_Open):
+    """vLLM's structured_outputs: one of its constraints."""
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class StreamOptions(_Open):
@@ -185,6 +195,7 @@ class _OpenAICommon(_Open):
     json_schema: str | dict[str, Any] | bool | None = None
     choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(_OpenAICommon):

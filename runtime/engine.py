@@ -25,6 +25,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 
 from .detokenizer import stop_holdback, trim_stop
 from .model_loader import load_config, load_tokenizer, resolve_model
+from .output_check import schema_violation
 from .request import GenerateInput, TokenOutput
 from .sampling_params import SamplingParams
 from .scheduler_client import SchedulerClient
@@ -63,6 +64,11 @@ class RequestState:
             val = getattr(out, key)
             if val is not None:
                 self.meta_logprobs.setdefault(_meta_key(key), []).extend(val)
+        if (reason is not None and reason.get("type") == "stop" and self.params.json_schema is not None
+                and not isinstance(reason.get("matched"), str)):   # not cut by the caller's own stop string
+            problem = schema_violation(self.params.json_schema, self.text())
+            if problem is not None:
+                reason = {"type": "abort", "message": problem}
         self.finish_reason = reason
 
     def text(self, streaming: bool = False) -> str:

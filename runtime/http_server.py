@@ -29,6 +29,7 @@ from starlette.responses import Response, StreamingResponse
 
 from .api_schema import (MAX_NATIVE_TOP_LOGPROBS, AbortRequest, GenerateRequest, GenerateResult, add_components,
                          json_body, ref, responses)
+from .output_check import INVALID_OUTPUT
 from .sampling_params import MAX_INT, MAX_N
 from .server_args import ServerArgs
 from .server_metrics import METRICS_CONTENT_TYPE, ServerMetrics, StreamTimer, cache_hit_rate, kv_usage
@@ -94,7 +95,7 @@ class ClientGone(Exception):
 def abort_error(reason: dict[str, Any]) -> ApiError:
     """The error for a request the engine ended with `{"type": "abort"}` without being asked to."""
     message = str(reason.get("message") or "the request was aborted")
-    if message.startswith("internal error"):
+    if message.startswith(("internal error", INVALID_OUTPUT)):   # ours, not the caller's
         return ApiError(500, message)
     if any(m in message for m in _UNAVAILABLE_MARKERS):
         return ApiError(503, message, headers={"Retry-After": str(RETRY_AFTER_S)})

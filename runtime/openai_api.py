@@ -6,9 +6,12 @@ results into OpenAI's shapes. finish reasons map `{"type": "stop"}` -> "stop" an
 min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, no_stop_trim,
 skip_special_tokens.
 
-Structured output: `response_format` (text / json_object / json_schema) and the extra body fields
-`regex`, `ebnf`, `json_schema`, `choice` (vLLM's `guided_*` names too), at most one per request,
-become the engine's grammar; a grammar that does not compile is a 400 "invalid grammar: ...".
+Structured output: `response_format` (text / json_object, with llama.cpp's optional `schema` /
+json_schema), the extra body fields `regex`, `ebnf`, `json_schema`, `choice` (vLLM's `guided_*`
+names too) and vLLM's `structured_outputs` object (json / regex / choice / grammar / json_object),
+at most one per request, become the engine's grammar; a grammar that does not compile is a 400
+"invalid grammar: ...", and a constraint-like field plait does not enforce (`structural_tag`,
+`guided_whitespace_pattern`, ...) a 400 naming it.
 
 Tool calling (chat): `tools` are rendered into the prompt by the chat template when it knows tools,
 else by a Hermes-style system block (`<tools>` ... `<tool_call>{"name", "arguments"}</tool_call>`).
@@ -53,6 +56,14 @@ CONSTRAINT_FIELDS = {"regex": "regex", "ebnf": "ebnf", "json_schema": "json_sche
                      "guided_regex": "regex", "guided_grammar": "ebnf", "guided_json": "json_schema",
                      "guided_choice": "choices"}
 GRAMMAR_PARAMS = ("regex", "ebnf", "json_schema", "choices")
+# vLLM's `structured_outputs` object: its keys -> the sampling parameter (json_object: any object)
+STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choices", "grammar": "ebnf",
+                      "json_object": "json_schema"}
+# Its options that change nothing here (plait never falls back to unconstrained text)
+STRUCTURED_OPTIONS = ("disable_fallback",)
+# Constraint-like fields other servers take that plait does not enforce: a 400 naming them, never
+# an answer that silently ignores them.
+UNSUPPORTED_CONSTRAINTS = ("structural_tag", "guided_whitespace_pattern", "whitespace_pattern")
 TOOL_CHOICES = ("none", "auto", "required")
 TOOL_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -152,8 +163,12 @@ def _response_format(body: dict[str, Any]) -> str | None:
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind == "text":
         return None
-    if kind == "json_object":
-        return json.dumps({"type": "object"})
+    if kind == "json_object":   # llama.cpp's server (and instructor's JSON_SCHEMA mode) may add a schema
+        schema = fmt.get("schema")
+        if schema is None:
+            return json.dumps({"type": "object"})
+        _check_schema(schema, "response_format.schema")
+        return json.dumps(schema)
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict):
@@ -163,7 +178,8 @@ def _response_format(body: dict[str, Any]) -> str | None:
             raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object")
         _check_schema(schema, "response_format.json_schema.schema")
         return json.dumps(schema)
-    raise ApiError(400, "response_format.type must be 'text', 'json_object' or 'json_schema'")
+    raise ApiError(400, "response_format.type must be 'text', 'json_object' or 'json_schema'"
+                   + (f", got {kind!r} (not supported)" if isinstance(kind, str) else ""))
 
 
 def _check_schema(schema: Any, where: str) -> None:
@@ -204,8 +220,39 @@ def _constraint_value(name: str, param: str, value: Any) -> Any:
     return json.dumps(schema)
 
 
+def _structured_outputs(body: dict[str, Any]) -> list[tuple[str, str, Any]]:
+    """vLLM's `structured_outputs` object -> (label, sampling parameter, value) per constraint in
+    it; 400 for a key plait does not enforce."""
+    so = body.get("structured_outputs")
+    if so is None:
+        return []
+    if not isinstance(so, dict):
+        raise ApiError(400, "structured_outputs must be an object")
+    unknown = sorted(k for k, v in so.items()
+                     if k not in STRUCTURED_OUTPUTS and k not in STRUCTURED_OPTIONS and v not in (None, False))
+    if unknown:
+        raise ApiError(400, f"structured_outputs.{unknown[0]} is not supported (supported: "
+                       f"{', '.join(STRUCTURED_OUTPUTS)})")
+    found = []
+    for key, param in STRUCTURED_OUTPUTS.items():
+        value = so.get(key)
+        if value is None or value is False:
+            continue
+        label = f"structured_outputs.{key}"
+        if key == "json_object":
+            found.append((label, param, json.dumps({"type": "object"})))
+        else:
+            found.append((label, param, _constraint_value(label, param, value)))
+    return found
+
+
 def _constraints(body: dict[str, Any], plan: ToolPlan | None) -> dict[str, Any]:
-    """The grammar sampling parameter of the request ({} for none); 400 for more than one."""
+    """The grammar sampling parameter of the request ({} for none); 400 for more than one, and
+    for a constraint-like field plait does not enforce."""
+    for name in UNSUPPORTED_CONSTRAINTS:
+        if body.get(name) not in (None, False, ""):
+            raise ApiError(400, f"{name} is not supported: plait enforces response_format, structured_outputs "
+                           "(json, regex, choice, grammar, json_object), regex, ebnf, json_schema and choice")
     found: list[tuple[str, str, Any]] = []
     schema = _response_format(body)
     if schema is not None:
@@ -213,6 +260,7 @@ def _constraints(body: dict[str, Any], plan: ToolPlan | None) -> dict[str, Any]:
     for name, param in CONSTRAINT_FIELDS.items():
         if body.get(name) is not None:
             found.append((name, param, _constraint_value(name, param, body[name])))
+    found += _structured_outputs(body)
     if plan is not None and plan.constrained:
         label = "tool_choice 'required'" if plan.choice == "required" else "a named tool_choice"
         found.append((label, "json_schema", json.dumps(tool_call_schema(plan))))

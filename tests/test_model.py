@@ -15,6 +15,11 @@ from plait.runtime.server_args import ServerArgs
 
 from conftest import TINY_ARCHS, require_kernels
 
+# float32 logits of magnitude ~15 from two implementations summing the same terms in other orders
+# (our kernels vs HF's eager ops). The worst case, ~11 sums in sequence of up to 128 terms each off
+# by 128 * 2^-24, is ~8e-5 of the logits' scale; rounding errors add up as a random walk (sqrt(n),
+# not n), so in practice ~1e-6 of it (1.7e-6 seen between two of our paths on Zen 4): 1e-4
+# absolute (~7e-6 of 15) has held on AMD Zen 3 / 4 / 5 and Intel Sapphire Rapids.
 TOL = 1e-4
 # oneDNN's prepacked GEMM (the CPU default) sums in another order than HF's MKL GEMM: float32
 # noise of ~1e-4 on logits of magnitude ~15. The strict check runs on plain F.linear.
@@ -225,6 +230,7 @@ def test_packed_linear_float32_rows(rows, bias, small_gemm, monkeypatch):
             assert lin.small_rows == 64 and lin.halves is None and lin.panels is not None
         else:
             assert lin.panels is None and lin.halves is not None and lin.halves.shape == (2, 48, 64)
+        # float32 sums of 64 terms of ~1 in another order than F.linear's: ~64 * 2^-24 at the worst
         torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lin(x[None]), torch.nn.functional.linear(x, w, b)[None], atol=1e-5, rtol=1e-5)
     finally:

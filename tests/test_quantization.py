@@ -42,7 +42,7 @@ def test_int8_linear_matches_dequantized(rows, bias):
         ref = F.linear(x, lin.dequantized(), b)
         got = lin(x)
         assert got.shape == (rows, 96) and got.dtype == torch.float32
-        if kernel == "dequant":
+        if kernel == "dequant":   # F.linear on the same dequantized weight: float32 summation order only
             torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
         else:   # bfloat16 activations: relative error ~2^-8 of the output's magnitude
             assert (got - ref).abs().max() < 0.01 * ref.abs().max()
@@ -260,7 +260,7 @@ def test_int4_linear_matches_dequantized(rows, bias, gemv, all_rows, monkeypatch
         ref = F.linear(x, lin.dequantized(), b)
         got = lin(x)
         assert got.shape == (rows, 96) and got.dtype == torch.float32
-        if kernel == "dequant":
+        if kernel == "dequant":   # F.linear on the same dequantized weight: float32 summation order only
             torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
         elif gemv and (rows <= 8 or all_rows):
             assert lin.packed_gemv is not None and lin.packed_int4 is None   # not a third copy
@@ -296,6 +296,7 @@ def test_int4_kernel_constraints_fall_back(monkeypatch):
     monkeypatch.setattr(quant, "int4pack_available", lambda: False)
     lin = Int4Linear(torch.randn(32, 64), None)
     assert lin.kernel == "dequant" and lin.packed_int4 is None and lin.packed_gemv is None
+    # the same dequantized weight through F.linear: float32 summation order only
     torch.testing.assert_close(lin(x), F.linear(x, lin.dequantized()), rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="int4pack"):
         Int4Linear(torch.randn(32, 64), None, kernel="int4pack")

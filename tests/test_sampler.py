@@ -268,6 +268,7 @@ def test_penalties_match_reference(seed, every_row):
     batch = build(params, logits, prompts=prompts, outputs=outputs, eos=())
     got = sampler.adjust_logits(logits, batch)
     ref = reference_penalties(logits, params, prompts, outputs)
+    # float32 against the float64 reference: one or two float32 roundings of each penalised logit
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
     # End to end: greedy picks the argmax of the penalised logits.
     assert torch.equal(sampler(logits, batch), ref.argmax(-1))
