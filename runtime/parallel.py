@@ -13,11 +13,13 @@ raised as `RankFailure`, which the scheduler treats as fatal.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,6 +136,17 @@ def destroy_tensor_parallel() -> None:
     except Exception:
         logger.debug("destroy_process_group failed", exc_info=True)
     _tp.rank, _tp.size = 0, 1
+
+
+def exit_rank(code: int) -> None:
+    """End a rank's process now, after its group is left: skip the interpreter's finalization,
+    in which C++ objects of torch.distributed still alive at exit can abort the process
+    ("terminate called without an active exception", exit -6) after its work is done."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def _collective(fn, *args, **kwargs):

@@ -326,13 +326,16 @@ def run_tp_worker(args: ServerArgs, rank: int, ipc_dir: str | None, parent: int)
                                        traceback=traceback.format_exc(), process=f"tp rank {rank}"))
         sys.exit(1)
     gc.freeze()   # as in run_scheduler
+    code = 0
     try:
         runner.follow()
     except RuntimeError as e:   # RankFailure: rank 0 is gone; the engine hears of it from rank 0 or its exit
         logger.warning("tensor-parallel rank %d stops: %s", rank, e)
-        sys.exit(1)
+        code = 1
     finally:
         runner.close()
+    from .parallel import exit_rank
+    exit_rank(code)
 
 
 def _send_fatal(ipc_dir: str, msg: Fatal) -> None:

@@ -205,6 +205,7 @@ def _rank_main(args: ServerArgs, rank: int, results) -> None:
     """One tensor-parallel rank, as the engine's processes run it: rank 0 schedules and records
     the logits of every step; rank 1 follows."""
     from plait.runtime.model_runner import ModelRunner
+    from plait.runtime.parallel import exit_rank
     try:
         runner = ModelRunner(args, rank)
         if rank == 0:
@@ -216,6 +217,9 @@ def _rank_main(args: ServerArgs, rank: int, results) -> None:
     except BaseException as e:
         results.put(f"rank {rank}: {type(e).__name__}: {e}")
         raise
+    results.close()
+    results.join_thread()     # the logits reach the parent before the process ends
+    exit_rank(0)              # as the engine's ranks end
 
 
 @pytest.mark.parametrize("arch", ["llama3-rope", "qwen3"])   # untied + llama3 RoPE; q/k norm, head_dim 32
