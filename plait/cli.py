@@ -68,6 +68,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-ngram-max-match", type=int, default=None, help="longest n-gram looked up")
     p.add_argument("--speculative-max-batch", type=int, default=None,
                    help="speculate only while at most this many requests run (default 4)")
+    p.add_argument("--json-max-number-digits", type=int, default=None,
+                   help="JSON output: at most this many digits in a number's integer part (default 19; its "
+                        "fraction at most 17, its exponent 3); 0: no bound. Per request: json_max_number_digits")
+    p.add_argument("--json-max-string-length", type=int, default=None,
+                   help="JSON output: a string ends after this many characters unless the schema allows longer "
+                        "(default 512); 0: no bound. Per request: json_max_string_length")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--omp-spincount", type=int, default=None,
                    help="OpenMP busy-wait of the model's threads after each parallel region, in spin-loop "
@@ -99,7 +105,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 _ENGINE_OPTIONS = ("model", "dtype", "kv_cache_dtype", "device", "context_length", "max_total_tokens", "kv_memory_fraction",
                    "chunked_prefill_size", "max_running_requests", "schedule_policy", "disable_radix_cache",
                    "num_threads", "omp_spincount", "random_seed", "log_level", "grammar_backend", "grammar_compile_timeout",
-                   "disable_jump_forward", "speculative_algorithm", "speculative_num_draft_tokens",
+                   "disable_jump_forward", "json_max_number_digits", "json_max_string_length", "speculative_algorithm", "speculative_num_draft_tokens",
                    "speculative_ngram_min_match", "speculative_ngram_max_match", "speculative_max_batch",
                    "speculative_draft_model", "speculative_draft_quantization", "speculative_draft_max_tokens",
                    "quantization", "enable_torch_compile", "disable_weight_prepack", "disable_cuda_graph",

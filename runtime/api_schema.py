@@ -190,6 +190,8 @@ class _OpenAICommon(_Open):
     no_stop_trim: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
+    json_max_number_digits: NonNegInt | None = None
+    json_max_string_length: NonNegInt | None = None
     regex: Annotated[str, Field(min_length=1)] | None = None
     ebnf: Annotated[str, Field(min_length=1)] | None = None
     json_schema: str | dict[str, Any] | bool | None = None

@@ -49,7 +49,8 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 EXTRA_PARAMS = {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
                 "min_tokens": "min_new_tokens", "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
                 "no_stop_trim": "no_stop_trim", "skip_special_tokens": "skip_special_tokens",
-                "spaces_between_special_tokens": "spaces_between_special_tokens"}
+                "spaces_between_special_tokens": "spaces_between_special_tokens",
+                "json_max_number_digits": "json_max_number_digits", "json_max_string_length": "json_max_string_length"}
 # Grammar constraints in the body (SGLang's names, `choice`, and vLLM's guided_* names) -> the
 # sampling parameter; at most one per request, counting response_format and a forced tool call.
 CONSTRAINT_FIELDS = {"regex": "regex", "ebnf": "ebnf", "json_schema": "json_schema", "choice": "choices",

@@ -68,6 +68,9 @@ class SamplingParams:
     json_schema: str | None = None
     ebnf: str | None = None
     choices: list[str] | None = None   # plait extension: the output is exactly one of these
+    # plait extensions: JSON output's length guards (None: the server's; 0: no bound)
+    json_max_number_digits: int | None = None
+    json_max_string_length: int | None = None
 
     def __post_init__(self) -> None:
         # None means "default" for every field (JSON clients send explicit nulls).
@@ -194,6 +197,10 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of ints, got {v!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {type(self.seed).__name__} {self.seed!r}")
+        for name in ("json_max_number_digits", "json_max_string_length"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 0):
+                raise ValueError(f"{name} must be an int >= 0 (0: no bound) or None, got {v!r}")
         for name in _OPT_STR_FIELDS:
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):

@@ -174,7 +174,6 @@ def test_json_object_with_a_schema(oai):
     jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
 
 
-@pytest.mark.skip(reason="needs a schema whose document finishes within max_tokens; see issue 33 note")
 @pytest.mark.integration
 def test_an_approximated_schema_never_returns_an_invalid_document(oai):
     """llguidance refuses `oneOf`; the fallback (xgrammar) reads it as `anyOf`. With two identical
@@ -191,6 +190,25 @@ def test_an_approximated_schema_never_returns_an_invalid_document(oai):
     out = chat(oai, ask, temperature=0, max_tokens=16,
                response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": ok}})
     assert out.choices[0].finish_reason == "stop" and isinstance(json.loads(out.choices[0].message.content), int)
+
+
+@pytest.mark.integration
+def test_documents_finish_within_max_tokens(oai):
+    """A free string and a free number at temperature 0.8 with a tight max_tokens: the length
+    guards close the document in budget ("stop", valid), and json_max_string_length binds per
+    request."""
+    notes = {"type": "object", "properties": {"notes": {"type": "string"}, "score": {"type": "number"}},
+             "required": ["notes", "score"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "notes", "schema": notes}}
+    ask = [{"role": "user", "content": "Write long notes about Paris, then score it."}]
+    for seed in range(3):
+        out = chat(oai, ask, response_format=fmt, temperature=0.8, seed=seed, max_tokens=24)
+        assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
+        jsonschema.validate(json.loads(out.choices[0].message.content), notes)
+    out = chat(oai, ask, response_format=fmt, temperature=0.8, seed=0, max_tokens=200,
+               extra_body={"json_max_string_length": 6})
+    doc = json.loads(out.choices[0].message.content)
+    assert len(doc["notes"]) <= 6 + 16          # the bound, plus at most the closing token's characters
 
 
 @pytest.mark.integration

@@ -1,0 +1,295 @@
+"""Length guards for JSON output: bounds on the free-length parts of a document (number digits,
+strings without a maxLength) and, near `max_tokens`, a steer towards closing it, applied on top
+of whichever backend's mask.
+
+A small model at temperature 0.8 can write `11.111111111111111588888...` or a never-ending
+string until max_tokens, and the grammar allows it. The guard narrows the backend's mask only
+where the narrowed mask still allows a token, so it never rules out a document the grammar
+allows at that point: where the grammar demands more digits or characters (a large `minimum`,
+a `minLength`, an enum value) it defers to the grammar. What the document is stays the
+backend's business; the guard only chooses among what the backend allows.
+
+- numbers: an integer part of at most `max_number_digits` digits (19 fit an int64), a fraction
+  of at most min(that, 17) (a float64's precision), an exponent of at most 3 (its range);
+- strings: at most `max_string_length` characters (raised to the schema's largest `maxLength` or
+  `minLength`), after which only tokens that close the string are allowed;
+- closing: within the last PROBE_WINDOW tokens, the guard walks the grammar ahead of the model
+  with the cheapest choices (close the string, stop the number, close a bracket, the shortest
+  value; rolled back after) to estimate the shortest way to finish the document; once the tokens
+  left come within CLOSING_MARGIN of it, only such choices are allowed, so that a document that
+  can still fit ends valid ("stop") instead of cut ("length").
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .base import Matcher
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .tokenizer_info import TokenizerInfo
+
+FRACTION_DIGITS = 17     # a float64 holds 15-17 significant decimal digits
+EXPONENT_DIGITS = 3      # a float64's exponent stays within +-308
+PROBE_WINDOW = 64        # estimate the shortest close only this near max_tokens (it costs a walk)
+PROBE_STEPS = 48         # the walk's length limit (a longer close counts as this)
+PROBE_EVERY = 4          # re-estimate after this many tokens
+CLOSING_MARGIN = 2       # tokens kept beyond the estimate
+_CLOSERS = frozenset(b"}] \n\t")
+_WS = frozenset(b" \n\t\r")
+_SHORT_VALUES = frozenset({b"0", b'""', b"[]", b"{}", b"null", b"true", b"false"})
+
+
+@dataclasses.dataclass(frozen=True)
+class JsonLimits:
+    """The guard's bounds; 0 turns a bound off."""
+    max_number_digits: int = 19
+    max_string_length: int = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class _State:
+    """Where the text so far stands, lexically (outside a string, `run` counts the current
+    number's digits of part `part`: 0 integer, 1 fraction, 2 exponent)."""
+    in_string: bool = False
+    escape: bool = False
+    str_len: int = 0
+    in_number: bool = False
+    part: int = 0
+    run: int = 0
+    depth: int = 0
+
+
+def _scan(s: _State, data: bytes) -> _State:
+    """The state after `data` (a token's bytes)."""
+    in_string, escape, str_len, in_number, part, run, depth = dataclasses.astuple(s)
+    for c in data:
+        if in_string:
+            if escape:
+                escape = False
+                str_len += 1
+            elif c == 0x5C:                      # backslash
+                escape = True
+            elif c == 0x22:                      # closing quote
+                in_string = False
+            elif c & 0xC0 != 0x80:               # a character starts (not a UTF-8 continuation byte)
+                str_len += 1
+        elif c == 0x22:
+            in_string, str_len, in_number, run = True, 0, False, 0
+        elif 0x30 <= c <= 0x39:
+            if not in_number:
+                in_number, part, run = True, 0, 0
+            run += 1
+        elif in_number and c == 0x2E:            # '.'
+            part, run = 1, 0
+        elif in_number and c in (0x65, 0x45):    # 'e' / 'E'
+            part, run = 2, 0
+        elif c == 0x2D and not in_number:        # a leading '-'
+            in_number, part, run = True, 0, 0
+        elif in_number and c in (0x2B, 0x2D) and part == 2:
+            pass                                 # the exponent's sign
+        else:
+            in_number, run = False, 0
+            if c in (0x7B, 0x5B):
+                depth += 1
+            elif c in (0x7D, 0x5D):
+                depth -= 1
+    return _State(in_string, escape, str_len, in_number, part, run, depth)
+
+
+def schema_string_bound(schema: Any) -> int:
+    """The largest `maxLength` / `minLength` anywhere in a schema (0 if none)."""
+    best = 0
+    stack = [schema]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            for k in ("maxLength", "minLength"):
+                n = v.get(k)
+                if isinstance(n, int) and not isinstance(n, bool):
+                    best = max(best, n)
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return best
+
+
+class GuardTables:
+    """Per-tokenizer packed masks (built once; a Python pass over the vocabulary at build time only)."""
+
+    def __init__(self, info: "TokenizerInfo") -> None:
+        import numpy as np
+
+        from .bitmask import bitmask_width
+        self.token_bytes = info.token_bytes
+        width = bitmask_width(info.vocab_size)
+        n = min(info.tokenizer_vocab_size, info.vocab_size)
+        lead = np.zeros(width * 32, dtype=np.int32)
+        quote = np.zeros(width * 32, dtype=bool)
+        string_end = np.zeros(width * 32, dtype=bool)
+        closer = np.zeros(width * 32, dtype=bool)
+        value = np.zeros(width * 32, dtype=bool)
+        opener = np.zeros(width * 32, dtype=bool)
+        for i, b in info.normal_tokens():
+            if i >= n:
+                break
+            k = len(b) - len(b.lstrip(b"0123456789"))
+            lead[i] = k
+            if 0x22 in b:
+                quote[i] = True
+                string_end[i] = all(c == 0x22 or c in _CLOSERS for c in b)
+            closer[i] = all(c in _CLOSERS for c in b) and not all(c in _WS for c in b)
+            value[i] = b.strip() in _SHORT_VALUES
+            opener[i] = b.strip() in (b'"', b"[", b"{")
+        for e in info.eos_token_ids:
+            quote[e] = string_end[e] = closer[e] = True
+        self._lead = lead
+        self._shifts = torch.arange(32, dtype=torch.int64)
+        self.quote = self._pack(quote)
+        self.string_end = self._pack(string_end)
+        self.closer = self._pack(closer)
+        self.value = self._pack(value)
+        self.opener = self._pack(opener)
+        self._digits: dict[int, torch.Tensor] = {}
+
+    def _pack(self, allowed) -> "torch.Tensor":
+        bits = torch.from_numpy(allowed.reshape(-1, 32).astype("int64")) << self._shifts
+        words = bits.sum(dim=1)
+        return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+    def digits(self, room: int) -> "torch.Tensor":
+        """Tokens that start with at most `room` digits."""
+        m = self._digits.get(room)
+        if m is None:
+            m = self._digits[room] = self._pack(self._lead <= room)
+        return m
+
+
+def guard_tables(info: "TokenizerInfo") -> GuardTables:
+    return info.backend_state("json_guard", lambda: GuardTables(info))
+
+
+class JsonGuard(Matcher):
+    """A JSON grammar's matcher with the length guards on its mask (see the module docstring)."""
+
+    def __init__(self, inner: Matcher, tables: GuardTables, limits: JsonLimits, max_tokens: int,
+                 schema: Any = None) -> None:
+        self.inner = inner
+        self.tables = tables
+        self.max_tokens = max_tokens
+        self.number_caps = (limits.max_number_digits, min(limits.max_number_digits, FRACTION_DIGITS),
+                            EXPONENT_DIGITS) if limits.max_number_digits > 0 else None
+        self.string_cap = (max(limits.max_string_length, schema_string_bound(schema))
+                           if limits.max_string_length > 0 else 0)
+        self.state = _State()
+        self._history: list[_State] = []
+        self._scratch = torch.empty_like(tables.quote)
+        self._probe = torch.empty(1, tables.quote.shape[0], dtype=torch.int32)
+        self._need: int | None = None       # the last estimate of the shortest close
+        self._probed_at = 0                 # num_accepted at that estimate
+        self._closing_now = False
+
+    def _tiers(self, s: _State, closing: bool) -> list["torch.Tensor"]:
+        """The masks to narrow to in state `s`, in order of preference; the first that leaves a
+        token wins (none: the grammar's mask as it is)."""
+        t = self.tables
+        if s.in_string:
+            if closing or (self.string_cap and s.str_len >= self.string_cap):
+                return [t.string_end, t.quote]
+            return []
+        if s.in_number:
+            if closing:
+                return [t.closer, t.digits(0)]
+            return [] if self.number_caps is None else [t.digits(max(0, self.number_caps[s.part] - s.run))]
+        return [t.closer, t.value, t.opener] if closing else []
+
+    def _closing(self) -> bool:
+        """Whether the tokens left are down to the shortest close (plus the margin)."""
+        if self._closing_now:
+            return True
+        left = self.max_tokens - self.inner.num_accepted
+        if left > PROBE_WINDOW:
+            return False
+        if self._need is None or self.inner.num_accepted - self._probed_at >= PROBE_EVERY:
+            self._need, self._probed_at = self._shortest_close(), self.inner.num_accepted
+        self._closing_now = left <= self._need + CLOSING_MARGIN
+        return self._closing_now
+
+    def _shortest_close(self) -> int:
+        """Tokens (EOS included) to finish the document from here, taking the closing choices
+        wherever the grammar allows them; the walk is rolled back."""
+        s, steps = self.state, 0
+        try:
+            while steps < PROBE_STEPS:
+                if self.inner.can_end():
+                    return steps + 1
+                self.inner.fill_mask(self._probe, 0)
+                tok = self._narrow(self._probe[0], self._tiers(s, True))
+                if tok < 0 or not self.inner.accept(tok):
+                    break
+                steps += 1
+                if tok < len(self.tables.token_bytes):
+                    s = _scan(s, self.tables.token_bytes[tok])
+            return PROBE_STEPS + 1
+        finally:
+            self.inner.rollback(steps)
+
+    def _narrow(self, r: "torch.Tensor", tiers: list["torch.Tensor"]) -> int:
+        """Narrow mask row `r` to the first tier that leaves a token; the lowest allowed token id
+        (-1 if none)."""
+        narrowed = self._scratch
+        for m in tiers:
+            torch.bitwise_and(r, m, out=narrowed)
+            if bool(narrowed.any()):
+                r.copy_(narrowed)
+                break
+        words = r.nonzero()
+        if not len(words):
+            return -1
+        w = int(words[0, 0])
+        word = int(r[w]) & 0xFFFFFFFF
+        return w * 32 + ((word & -word).bit_length() - 1)
+
+    def accept(self, token_id: int) -> bool:
+        if not self.inner.accept(token_id):
+            return False
+        self._history.append(self.state)
+        if token_id < len(self.tables.token_bytes):
+            self.state = _scan(self.state, self.tables.token_bytes[token_id])
+        return True
+
+    def fill_mask(self, bitmask: "torch.Tensor", row: int) -> None:
+        self.inner.fill_mask(bitmask, row)
+        tiers = self._tiers(self.state, self._closing())
+        if tiers:
+            self._narrow(bitmask[row], tiers)
+
+    def is_finished(self) -> bool:
+        return self.inner.is_finished()
+
+    def can_end(self) -> bool:
+        return self.inner.can_end()
+
+    def rollback(self, n: int) -> None:
+        self.inner.rollback(n)
+        if n:
+            self.state = self._history[-n]
+            del self._history[-n:]
+
+    def forced_text(self) -> str:
+        return self.inner.forced_text()
+
+    @property
+    def num_accepted(self) -> int:
+        return self.inner.num_accepted
+
+
+def guarded(matcher: Matcher, spec, info: "TokenizerInfo", limits: JsonLimits, max_tokens: int) -> Matcher:
+    """`matcher` with the JSON guards when `spec` is a JSON grammar (the matcher itself otherwise)."""
+    if spec.kind not in ("json_schema", "json_object"):
+        return matcher
+    schema = json.loads(spec.spec) if spec.kind == "json_schema" else None
+    return JsonGuard(matcher, guard_tables(info), limits, max_tokens, schema)

@@ -1,0 +1,143 @@
+"""The JSON length guards (grammar/json_guard.py) against an adversary: a "model" that always
+picks the allowed token that makes the document longest (more digits, more string, one more array
+item). With the guards every document ends valid within max_tokens; without them it never ends."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from plait.grammar import GrammarSpec, allocate_token_bitmask, make_backend, tokenizer_info
+from plait.grammar.bitmask import unpack_bitmask
+from plait.grammar.json_guard import JsonGuard, JsonLimits, _scan, _State, guard_tables, guarded
+
+VOCAB = 49152
+EOS = 2
+WANDER = {"type": "object",
+          "properties": {"x": {"type": "number"}, "s": {"type": "string"},
+                         "a": {"type": "array", "items": {"type": "integer"}}},
+          "required": ["x", "s", "a"]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def info(tokenizer):
+    return tokenizer_info(tokenizer, VOCAB, [EOS])
+
+
+@pytest.fixture(scope="module", params=["llguidance", "xgrammar"])
+def backend(request, info):
+    try:
+        return make_backend(request.param, info)
+    except ImportError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def adversary(info):
+    """Token classes, best first: all digits; no quote or closing bracket (strings and arrays go
+    on); anything else."""
+    digits = torch.zeros(VOCAB, dtype=torch.bool)
+    free = torch.zeros(VOCAB, dtype=torch.bool)
+    for i, b in info.normal_tokens():
+        digits[i] = b.isdigit()
+        free[i] = not any(c in b for c in b'"}]') and not b.isspace()
+    return digits, free
+
+
+def walk(matcher, adversary, max_tokens: int) -> tuple[bytes, bool]:
+    """Run the adversary for up to max_tokens; (the text, whether EOS ended it)."""
+    digits, free = adversary
+    mask = allocate_token_bitmask(1, VOCAB)
+    out = b""
+    for _ in range(max_tokens):
+        matcher.fill_mask(mask, 0)
+        allowed = unpack_bitmask(mask, VOCAB)[0]
+        for cls in (allowed & digits, allowed & free, allowed):
+            ids = cls.nonzero().flatten()
+            if len(ids):
+                tok = int(ids[0])
+                break
+        else:
+            raise AssertionError("the mask allows nothing")
+        assert matcher.accept(tok)
+        if tok == EOS:
+            return out, True
+        out += walk.bytes_of[tok]
+    return out, False
+
+
+def guard(backend, info, schema, limits: JsonLimits, max_tokens: int):
+    spec = GrammarSpec.from_json_schema(schema)
+    return guarded(backend.compile(spec).matcher(), spec, info, limits, max_tokens)
+
+
+@pytest.fixture(autouse=True)
+def _bytes(info):
+    walk.bytes_of = info.token_bytes
+
+
+def test_scan_tracks_numbers_strings_and_depth():
+    s = _scan(_State(), b'{"a": [-12.345e+67')
+    assert (s.in_number, s.part, s.run, s.depth, s.in_string) == (True, 2, 2, 2, False)
+    s = _scan(_State(), '{"k": "ab\\"cé'.encode())
+    assert (s.in_string, s.str_len, s.depth) == (True, 5, 1)      # the escape is one character, é one
+    s = _scan(s, b'"}')
+    assert (s.in_string, s.depth) == (False, 0)
+
+
+def test_without_the_guards_the_adversary_never_ends(backend, info, adversary):
+    """The control: the grammar alone lets it write digits / string until max_tokens."""
+    m = guard(backend, info, WANDER, JsonLimits(0, 0), 10 ** 6)
+    text, ended = walk(m, adversary, 300)
+    assert not ended and text.startswith(b'{"x": ')
+
+
+@pytest.mark.parametrize("max_tokens", [30, 60, 120, 400])
+def test_guarded_documents_end_valid_within_max_tokens(backend, info, adversary, max_tokens):
+    m = guard(backend, info, WANDER, JsonLimits(19, 40), max_tokens)
+    text, ended = walk(m, adversary, max_tokens)
+    assert ended, text
+    doc = json.loads(text)
+    jsonschema.validate(doc, WANDER)
+    whole, _, frac = text.split(b'"x": ')[1].split(b",")[0].lstrip(b"-").partition(b".")
+    assert len(whole) <= 19 and len(frac.split(b"e")[0].split(b"E")[0]) <= 17
+    assert len(doc["s"]) <= 40 + 16           # the cap, plus at most one token's characters
+
+
+def test_the_schema_wins_over_the_caps(backend, info, adversary):
+    """A minLength above the string cap and a minimum above the digit cap are still met."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 30},
+                                               "n": {"type": "integer", "minimum": 10 ** 12}},
+              "required": ["s", "n"]}
+    m = guard(backend, info, schema, JsonLimits(3, 5), 200)
+    text, ended = walk(m, adversary, 200)
+    assert ended, text
+    jsonschema.validate(json.loads(text), schema)
+
+
+def test_rollback_restores_the_guard(backend, info, tokenizer):
+    m = guard(backend, info, WANDER, JsonLimits(19, 40), 100)
+    assert isinstance(m, JsonGuard)
+    for t in tokenizer.encode('{"x": 12', add_special_tokens=False):
+        assert m.accept(t)
+    before = m.state
+    for t in tokenizer.encode('345', add_special_tokens=False):
+        assert m.accept(t)
+    assert m.state.run > before.run
+    m.rollback(len(tokenizer.encode('345', add_special_tokens=False)))
+    assert m.state == before
+
+
+def test_only_json_grammars_are_guarded(backend, info):
+    spec = GrammarSpec.from_regex("[0-9]+")
+    inner = backend.compile(spec).matcher()
+    assert guarded(inner, spec, info, JsonLimits(), 10) is inner
+    assert guard_tables(info) is guard_tables(info)      # built once per tokenizer
