@@ -8,7 +8,7 @@ the rest with an error, while xgrammar compiles nearly all but approximates some
 `multipleOf`), letting invalid instances through. llguidance also compiles schemas faster. So
 JSON schemas try llguidance first and xgrammar second: every schema compiles, and the exact
 backend is used wherever it can be. Regexes, EBNF, choices and json_object go to xgrammar first
-(its masks are the cheapest per token).
+(its masks are the cheapest per token); structural tags (xgrammar's format) to xgrammar alone.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ ORDER = {
     "regex": ("xgrammar", "llguidance"),
     "ebnf": ("xgrammar", "llguidance"),
     "choice": ("xgrammar", "llguidance"),
+    "structural_tag": ("xgrammar",),    # xgrammar's own format
 }
 
 

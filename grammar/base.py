@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice")
+KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice", "structural_tag")
 
 
 class GrammarError(ValueError):
@@ -40,9 +40,11 @@ def canonical_json(value: Any) -> str:
 class GrammarSpec:
     """What to constrain generation to.
 
-    kind: "json_schema" | "json_object" | "regex" | "ebnf" | "choice"
+    kind: "json_schema" | "json_object" | "regex" | "ebnf" | "choice" | "structural_tag"
     spec: the JSON schema as a JSON string; None for json_object; the regex; the EBNF (GBNF-style,
-    root rule "root"); for choice a JSON list of strings. Use the `from_*` constructors to build
+    root rule "root"); for choice a JSON list of strings; for structural_tag xgrammar's structural
+    tag (`{"type": "structural_tag", "format": {...}}`) as a JSON string: free text with
+    constrained sections, such as tool calls that open with a trigger. Use the `from_*` constructors to build
     canonical specs (so that equal specs share a cache entry)."""
     kind: str
     spec: str | None = None
@@ -77,6 +79,17 @@ class GrammarSpec:
     @classmethod
     def from_ebnf(cls, grammar: str) -> "GrammarSpec":
         return cls("ebnf", grammar)
+
+    @classmethod
+    def from_structural_tag(cls, tag: dict | str) -> "GrammarSpec":
+        if isinstance(tag, str):
+            try:
+                tag = json.loads(tag)
+            except ValueError as e:
+                raise GrammarError(f"the structural tag is not valid JSON: {e}") from None
+        if not isinstance(tag, dict) or tag.get("type") != "structural_tag" or not isinstance(tag.get("format"), dict):
+            raise GrammarError('a structural tag must be {"type": "structural_tag", "format": {...}}')
+        return cls("structural_tag", canonical_json(tag))
 
     @classmethod
     def from_choices(cls, choices: Sequence[str]) -> "GrammarSpec":

@@ -92,9 +92,9 @@ class OutlinesBackend(GrammarBackend):
 
     def compile(self, spec: GrammarSpec, *, timeout_s: float | None = None) -> Grammar:
         t0 = time.perf_counter()
-        if spec.kind == "ebnf":
-            raise GrammarError("the outlines grammar backend does not support EBNF grammars "
-                               "(use the xgrammar or llguidance backend)")
+        if spec.kind in ("ebnf", "structural_tag"):
+            what = "EBNF grammars" if spec.kind == "ebnf" else "structural tags"
+            raise GrammarError(f"the outlines grammar backend does not support {what} (use the xgrammar backend)")
         if spec.kind == "json_schema":
             spec.schema()
             req = {"kind": "json_schema", "text": spec.spec, "whitespace": WHITESPACE[self.json_whitespace]}

@@ -86,6 +86,8 @@ class XGrammarBackend(GrammarBackend):
             elif spec.kind == "choice":
                 alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choices())
                 compiled = self.compiler.compile_grammar(f"root ::= {alts}")
+            elif spec.kind == "structural_tag":
+                compiled = self.compiler.compile_structural_tag(spec.spec)
             else:  # pragma: no cover - GrammarSpec validates the kind
                 raise GrammarError(f"xgrammar: unsupported grammar kind {spec.kind!r}")
         except GrammarError:

@@ -150,9 +150,12 @@ class NamedToolChoice(_Open):
 
 
 class ResponseFormat(_Open):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: dict[str, Any] | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")   # with json_object (llama.cpp's form)
+    format: dict[str, Any] | None = None        # structural_tag: xgrammar's format
+    structures: list[dict[str, Any]] | None = None   # structural_tag, the older form: begin / schema / end
+    triggers: list[str] | None = None
 
 
 class StructuredOutputs(_Open):
@@ -162,6 +165,7 @@ class StructuredOutputs(_Open):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
 
 
 class StreamOptions(_Open):
@@ -196,6 +200,7 @@ class _OpenAICommon(_Open):
     ebnf: Annotated[str, Field(min_length=1)] | None = None
     json_schema: str | dict[str, Any] | bool | None = None
     choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = None
+    structural_tag: str | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 

@@ -7,16 +7,19 @@ min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, no_stop_trim,
 skip_special_tokens.
 
 Structured output: `response_format` (text / json_object, with llama.cpp's optional `schema` /
-json_schema), the extra body fields `regex`, `ebnf`, `json_schema`, `choice` (vLLM's `guided_*`
-names too) and vLLM's `structured_outputs` object (json / regex / choice / grammar / json_object),
-at most one per request, become the engine's grammar; a grammar that does not compile is a 400
-"invalid grammar: ...", and a constraint-like field plait does not enforce (`structural_tag`,
-`guided_whitespace_pattern`, ...) a 400 naming it.
+json_schema / structural_tag), the extra body fields `regex`, `ebnf`, `json_schema`, `choice`,
+`structural_tag` (vLLM's `guided_*` names too) and vLLM's `structured_outputs` object (json /
+regex / choice / grammar / json_object / structural_tag), at most one per request, become the
+engine's grammar; a grammar that does not compile is a 400 "invalid grammar: ...", and a
+constraint-like field plait does not enforce (`guided_whitespace_pattern`, ...) a 400 naming it.
 
 Tool calling (chat): `tools` are rendered into the prompt by the chat template when it knows tools,
 else by a Hermes-style system block (`<tools>` ... `<tool_call>{"name", "arguments"}</tool_call>`).
 `tool_choice` "auto" (the default with tools) lets the model answer or call: its output is parsed
-for `<tool_call>` blocks or a bare `{"name", "arguments"}` JSON; "required" constrains the output
+for `<tool_call>` blocks or a bare `{"name", "arguments"}` JSON, and where calls are `<tool_call>`
+blocks (our Hermes block, or a template that writes them) a structural tag holds each call the
+model opens to the offered tools' schemas (one call if `parallel_tool_calls` is false; with a
+JSON-schema response_format, the answer is that document or text with a call); "required" constrains the output
 to a call of one of the tools (an array of calls with `parallel_tool_calls: true`); a named
 function constrains it to that function's arguments; "none" offers no tools. Calls come back as
 `message.tool_calls` with finish_reason "tool_calls".
@@ -55,16 +58,16 @@ EXTRA_PARAMS = {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repet
 # sampling parameter; at most one per request, counting response_format and a forced tool call.
 CONSTRAINT_FIELDS = {"regex": "regex", "ebnf": "ebnf", "json_schema": "json_schema", "choice": "choices",
                      "guided_regex": "regex", "guided_grammar": "ebnf", "guided_json": "json_schema",
-                     "guided_choice": "choices"}
-GRAMMAR_PARAMS = ("regex", "ebnf", "json_schema", "choices")
+                     "guided_choice": "choices", "structural_tag": "structural_tag"}
+GRAMMAR_PARAMS = ("regex", "ebnf", "json_schema", "choices", "structural_tag")
 # vLLM's `structured_outputs` object: its keys -> the sampling parameter (json_object: any object)
 STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choices", "grammar": "ebnf",
-                      "json_object": "json_schema"}
+                      "json_object": "json_schema", "structural_tag": "structural_tag"}
 # Its options that change nothing here (plait never falls back to unconstrained text)
 STRUCTURED_OPTIONS = ("disable_fallback",)
 # Constraint-like fields other servers take that plait does not enforce: a 400 naming them, never
 # an answer that silently ignores them.
-UNSUPPORTED_CONSTRAINTS = ("structural_tag", "guided_whitespace_pattern", "whitespace_pattern")
+UNSUPPORTED_CONSTRAINTS = ("guided_whitespace_pattern", "whitespace_pattern")
 TOOL_CHOICES = ("none", "auto", "required")
 TOOL_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -93,6 +96,8 @@ class ToolPlan:
     choice: str                             # "none" | "auto" | "required" | "named"
     named: str | None = None                # the function of a named tool_choice
     parallel: bool = False                  # "required": an array of one or more calls
+    parallel_tool_calls: bool | None = None # as the request gave it (None: OpenAI's default, true)
+    tagged: bool = False                    # the template writes calls as <tool_call> blocks (Hermes)
 
     @property
     def names(self) -> list[str]:
@@ -156,20 +161,22 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
         raise ApiError(400, "the legacy functions / function_call fields are not supported; use tools / tool_choice")
 
 
-def _response_format(body: dict[str, Any]) -> str | None:
-    """response_format -> a json_schema string for the grammar backend (None: free text)."""
+def _response_format(body: dict[str, Any]) -> tuple[str, str] | None:
+    """response_format -> (the grammar's sampling parameter, its value) (None: free text)."""
     fmt = body.get("response_format")
     if fmt is None:
         return None
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind == "text":
         return None
+    if kind == "structural_tag":
+        return "structural_tag", _structural_tag(fmt, "response_format")
     if kind == "json_object":   # llama.cpp's server (and instructor's JSON_SCHEMA mode) may add a schema
         schema = fmt.get("schema")
         if schema is None:
-            return json.dumps({"type": "object"})
+            return "json_schema", json.dumps({"type": "object"})
         _check_schema(schema, "response_format.schema")
-        return json.dumps(schema)
+        return "json_schema", json.dumps(schema)
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict):
@@ -178,9 +185,49 @@ def _response_format(body: dict[str, Any]) -> str | None:
         if not isinstance(schema, dict):
             raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object")
         _check_schema(schema, "response_format.json_schema.schema")
-        return json.dumps(schema)
-    raise ApiError(400, "response_format.type must be 'text', 'json_object' or 'json_schema'"
+        return "json_schema", json.dumps(schema)
+    raise ApiError(400, "response_format.type must be 'text', 'json_object', 'json_schema' or 'structural_tag'"
                    + (f", got {kind!r} (not supported)" if isinstance(kind, str) else ""))
+
+
+def _structural_tag(value: Any, where: str) -> str:
+    """A structural tag as xgrammar reads it (JSON text): `{"type": "structural_tag", "format":
+    {...}}`, or the older form vLLM and SGLang accept (`structures` of begin / schema / end, and
+    `triggers`), rewritten as triggered tags. The format itself is checked when it compiles."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ApiError(400, f"{where} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ApiError(400, f"{where} must be a structural tag object")
+    if isinstance(value.get("format"), dict):
+        return json.dumps({"type": "structural_tag", "format": value["format"]})
+    structures, triggers = value.get("structures"), value.get("triggers")
+    if not (isinstance(structures, list) and structures and isinstance(triggers, list) and triggers
+            and all(isinstance(t, str) and t for t in triggers)):
+        raise ApiError(400, f"{where} must have a 'format', or 'structures' and 'triggers'")
+    tags = []
+    for i, st in enumerate(structures):
+        if not (isinstance(st, dict) and isinstance(st.get("begin"), str) and isinstance(st.get("end"), str)):
+            raise ApiError(400, f"{where}.structures[{i}] must have begin, schema and end")
+        schema = st.get("schema", {})
+        _check_schema(schema, f"{where}.structures[{i}].schema")
+        tags.append({"type": "tag", "begin": st["begin"], "end": st["end"],
+                     "content": {"type": "json_schema", "json_schema": schema}})
+    return json.dumps({"type": "structural_tag",
+                       "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}})
+
+
+def tool_call_tags(plan: ToolPlan, at_least_one: bool = False) -> dict[str, Any]:
+    """The triggered-tags format of auto mode: free text, but once the model writes `<tool_call>`
+    the call's JSON is held to one of the tools' schemas until `</tool_call>`; one call only when
+    `parallel_tool_calls` is false."""
+    tags = [{"type": "tag", "begin": f'{TOOL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": ',
+             "content": {"type": "json_schema", "json_schema": plan.parameters(name)},
+             "end": f"}}\n{TOOL_CLOSE}"} for name in plan.names]
+    return {"type": "triggered_tags", "triggers": [TOOL_OPEN], "tags": tags, "at_least_one": at_least_one,
+            "stop_after_first": plan.parallel_tool_calls is False}
 
 
 def _check_schema(schema: Any, where: str) -> None:
@@ -204,6 +251,8 @@ def _constraint_value(name: str, param: str, value: Any) -> Any:
         if not isinstance(value, str) or not value:
             raise ApiError(400, f"{name} must be a non-empty string")
         return value
+    if param == "structural_tag":
+        return _structural_tag(value, name)
     if param == "choices":
         if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
             raise ApiError(400, f"{name} must be a non-empty list of non-empty strings")
@@ -253,11 +302,12 @@ def _constraints(body: dict[str, Any], plan: ToolPlan | None) -> dict[str, Any]:
     for name in UNSUPPORTED_CONSTRAINTS:
         if body.get(name) not in (None, False, ""):
             raise ApiError(400, f"{name} is not supported: plait enforces response_format, structured_outputs "
-                           "(json, regex, choice, grammar, json_object), regex, ebnf, json_schema and choice")
+                           "(json, regex, choice, grammar, json_object, structural_tag), regex, ebnf, json_schema, "
+                           "structural_tag and choice")
     found: list[tuple[str, str, Any]] = []
-    schema = _response_format(body)
-    if schema is not None:
-        found.append(("response_format", "json_schema", schema))
+    fmt = _response_format(body)
+    if fmt is not None:
+        found.append(("response_format", *fmt))
     for name, param in CONSTRAINT_FIELDS.items():
         if body.get(name) is not None:
             found.append((name, param, _constraint_value(name, param, body[name])))
@@ -267,8 +317,24 @@ def _constraints(body: dict[str, Any], plan: ToolPlan | None) -> dict[str, Any]:
         found.append((label, "json_schema", json.dumps(tool_call_schema(plan))))
     if len(found) > 1:
         raise ApiError(400, "give at most one output constraint (response_format, regex, ebnf, json_schema, "
-                       f"choice, a forced tool call); got {', '.join(f[0] for f in found)}")
+                       f"choice, structural_tag, a forced tool call); got {', '.join(f[0] for f in found)}")
+    if plan is not None and plan.choice == "auto" and plan.tagged:
+        return {"structural_tag": json.dumps(_auto_tool_format(plan, found[0] if found else None))}
     return {found[0][1]: found[0][2]} if found else {}
+
+
+def _auto_tool_format(plan: ToolPlan, other: tuple[str, str, Any] | None) -> dict[str, Any]:
+    """Auto mode's structural tag: free text with constrained calls; with a JSON-schema format as
+    well, either a document in that format or text with at least one call."""
+    calls = tool_call_tags(plan)
+    if other is None:
+        return {"type": "structural_tag", "format": calls}
+    if other[1] != "json_schema":
+        raise ApiError(400, f"tools with tool_choice 'auto' combine with a JSON-schema response_format only, "
+                       f"not with {other[0]}")
+    doc = {"type": "json_schema", "json_schema": json.loads(other[2])}
+    return {"type": "structural_tag",
+            "format": {"type": "or", "elements": [doc, tool_call_tags(plan, at_least_one=True)]}}
 
 
 def _max_tokens(body: dict[str, Any], chat: bool) -> int | None:
@@ -370,7 +436,7 @@ def parse_tools(body: dict[str, Any]) -> ToolPlan | None:
     parallel = _field(body, "parallel_tool_calls", _is_bool, "a bool", None)
     if choice == "none" or not tools:
         return None
-    return ToolPlan(tools, choice, named, parallel is True)
+    return ToolPlan(tools, choice, named, parallel is True, parallel)
 
 
 def _parse_tool(tool: Any, i: int) -> dict[str, Any]:
@@ -692,6 +758,9 @@ def parse_openai(state: ServerState, body: dict[str, Any], chat: bool) -> OpenAI
     plan = None
     if chat:
         plan = parse_tools(body)
+        if plan is not None:
+            source = _template_source(state.engine.tokenizer)
+            plan.tagged = "tools" not in source or TOOL_OPEN in source   # our Hermes block, or the template's
         prompts: list[str | list[int]] = [render_chat(state.engine.tokenizer, body.get("messages"),
                                                       plan.tools if plan else None)]
     else:

@@ -19,7 +19,7 @@ _FLOAT_FIELDS = (
 )
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
 _STR_LIST_FIELDS = ("stop", "stop_regex")
-_OPT_STR_FIELDS = ("regex", "json_schema", "ebnf")
+_OPT_STR_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
 # Bounds on what one request may ask for: ints fit in 64 bits (the wire format), and the lists
 # that cost work per generated token (stop strings) or per request (n copies) stay small.
 MAX_INT = 2**63 - 1
@@ -68,6 +68,7 @@ class SamplingParams:
     json_schema: str | None = None
     ebnf: str | None = None
     choices: list[str] | None = None   # plait extension: the output is exactly one of these
+    structural_tag: str | None = None  # xgrammar's structural tag (JSON): free text with constrained sections
     # plait extensions: JSON output's length guards (None: the server's; 0: no bound)
     json_max_number_digits: int | None = None
     json_max_string_length: int | None = None
@@ -91,6 +92,9 @@ class SamplingParams:
         if isinstance(self.json_schema, (dict, bool)):   # Python callers may pass the schema itself
             import json
             self.json_schema = json.dumps(self.json_schema)
+        if isinstance(self.structural_tag, dict):
+            import json
+            self.structural_tag = json.dumps(self.structural_tag)
         if isinstance(self.choices, tuple):
             self.choices = list(self.choices)
 
@@ -210,7 +214,8 @@ class SamplingParams:
             raise ValueError("choices must be a non-empty list of non-empty strings")
         given = [n for n in (*_OPT_STR_FIELDS, "choices") if getattr(self, n) is not None]
         if len(given) > 1:
-            raise ValueError(f"give at most one of regex, json_schema, ebnf, choices; got {', '.join(given)}")
+            raise ValueError(f"give at most one of regex, json_schema, ebnf, structural_tag, choices; "
+                             f"got {', '.join(given)}")
 
     def grammar_spec(self):
         """The grammar this request is constrained to (a `plait.grammar.GrammarSpec`), or None.
@@ -228,6 +233,8 @@ class SamplingParams:
             return GrammarSpec.from_ebnf(self.ebnf)
         if self.choices is not None:
             return GrammarSpec.from_choices(self.choices)
+        if self.structural_tag is not None:
+            return GrammarSpec.from_structural_tag(self.structural_tag)
         return None
 
     @property

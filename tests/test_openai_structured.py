@@ -84,6 +84,36 @@ def test_required_schema_accepts_exactly_the_calls():
         jsonschema.validate([], parallel)
 
 
+def _tag_matcher(tokenizer, fmt):
+    from plait.grammar import GrammarSpec, make_backend
+    backend = make_backend("auto", tokenizer, 49152)
+    return backend.compile(GrammarSpec.from_structural_tag(fmt)).matcher()
+
+
+def _walk(matcher, tokenizer, text: str) -> bool:
+    return all(matcher.accept(t) for t in tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_auto_mode_constrains_calls_once_opened(smollm2_path):
+    """Auto mode's structural tag: free text passes; after `<tool_call>` only a call of an offered
+    tool with valid arguments; `parallel_tool_calls: false` ends the output after one call."""
+    from transformers import AutoTokenizer
+
+    from plait.runtime.openai_api import tool_call_tags
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    fmt = {"type": "structural_tag", "format": tool_call_tags(parse_tools({"tools": TOOLS}))}
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    m = _tag_matcher(tok, fmt)
+    assert _walk(m, tok, "Let me add them. " + call + " And again: " + call) and m.can_end()
+    for bad in ('<tool_call>\n{"name": "rm", ', '<tool_call>\n{"name": "add", "arguments": {"a": "x"',
+                '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 200}'):
+        assert not _walk(_tag_matcher(tok, fmt), tok, bad), bad
+    one = {"type": "structural_tag",
+           "format": tool_call_tags(parse_tools({"tools": TOOLS, "parallel_tool_calls": False}))}
+    m = _tag_matcher(tok, one)
+    assert _walk(m, tok, "Sure. " + call) and m.can_end() and not _walk(m, tok, " more")
+
+
 NATIVE_TEMPLATE = (
     "{% if tools %}TOOLS:{{ tools | map(attribute='function') | map(attribute='name') | join(',') }}\n{% endif %}"
     "{% for m in messages %}{{ m.role }}:{{ m.content }}"
@@ -276,11 +306,44 @@ def test_tool_choice_auto(oai):
     msg = out.choices[0].message
     if msg.tool_calls:
         assert out.choices[0].finish_reason == "tool_calls"
-        for call in msg.tool_calls:
-            assert call.function.name in PARAMS
-            json.loads(call.function.arguments)
+        for call in msg.tool_calls:     # held to the tool's schema once <tool_call> opens
+            jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
     else:
         assert isinstance(msg.content, str) and out.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.integration
+def test_auto_tools_with_a_response_format(oai):
+    """tools on auto plus a JSON-schema response_format: either a document in the format or a call,
+    never free text."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    for seed in range(3):
+        out = chat(oai, ASK_WEATHER, tools=TOOLS, tool_choice="auto", response_format=fmt, temperature=1.0,
+                   seed=seed, max_tokens=120)
+        msg = out.choices[0].message
+        if msg.tool_calls:
+            for call in msg.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+        else:
+            jsonschema.validate(json.loads(msg.content), PERSON)
+
+
+@pytest.mark.integration
+def test_structural_tag_response_format(oai):
+    """response_format structural_tag (xgrammar's format, as vLLM and SGLang take it) and the older
+    structures / triggers form."""
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<city>"], "at_least_one": True,
+           "stop_after_first": True, "tags": [{"type": "tag", "begin": "<city>", "end": "</city>",
+                                               "content": {"type": "json_schema", "json_schema": PERSON}}]}}
+    legacy = {"type": "structural_tag", "triggers": ["<city>"],
+              "structures": [{"begin": "<city>", "schema": PERSON, "end": "</city>"}]}
+    for fmt in (tag, legacy):
+        out = chat(oai, [{"role": "user", "content": "Describe a person."}], response_format=fmt, temperature=0,
+                   max_tokens=150)
+        text = out.choices[0].message.content
+        if fmt is tag or "<city>" in text:
+            inner = text.split("<city>", 1)[1].split("</city>", 1)[0]
+            jsonschema.validate(json.loads(inner), PERSON)
 
 
 @pytest.mark.integration
