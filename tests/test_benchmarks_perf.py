@@ -242,3 +242,30 @@ def test_compare_drives_llama_server(tiny_model_dirs, tmp_path, monkeypatch):
     assert len(schema_bodies) == 16 + 1     # 8 per JSON level, and the programs' json_extraction call
     replayed = [b for b in bodies if b.get("cache_prompt")]
     assert len(replayed) == res["programs"]["calls"] and any(b.get("stop") == ["\n"] for b in replayed)
+
+
+def test_structured_classifies_answers():
+    from plait.benchmarks.structured import classify, summarize
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+    def ok(text, reason="stop"):
+        return {"choices": [{"finish_reason": reason, "message": {"content": text}}], "usage": {"completion_tokens": 5}}
+    assert classify(schema, 200, ok('{"n": 1}'))[0] == "valid"
+    assert classify(schema, 200, ok('{"n": "x"}'))[:2] == ("invalid", 5)      # returned as fine: the failure
+    assert classify(schema, 200, ok('{"n": 1', "length"))[0] == "truncated"
+    assert classify(schema, 400, {"error": {"message": "invalid grammar: x"}})[0] == "rejected"
+    assert classify(schema, 500, {"error": {"message": "invalid output: ..."}})[0] == "withheld"
+    rows = [{"source": "corpus", "outcome": o, "tokens": 5} for o in ("valid", "valid", "truncated", "rejected")]
+    s = summarize(rows)["all"]
+    assert (s["valid"], s["truncated"], s["rejected"], s["valid_of_accepted"]) == (2, 1, 1, round(2 / 3, 4))
+
+
+def test_structured_through_a_server(tiny_model_dirs, tmp_path, capsys):
+    from plait.benchmarks.structured import main
+    out = tmp_path / "s.json"
+    assert main(["--model", tiny_model_dirs["llama"], "--subset", "corpus", "--limit", "3", "--max-tokens", "24",
+                 "--concurrency", "3", "--throughput-requests", "4", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())["results"][0]
+    assert res["summary"]["all"]["schemas"] == 3 and res["summary"]["all"]["invalid"] == 0
+    assert [t["concurrency"] for t in res["throughput"]] == [1, 32]
+    assert "backend auto" in capsys.readouterr().out
