@@ -22,7 +22,8 @@ model opens to the offered tools' schemas (one call if `parallel_tool_calls` is 
 JSON-schema response_format, the answer is that document or text with a call); "required" constrains the output
 to a call of one of the tools (an array of calls with `parallel_tool_calls: true`); a named
 function constrains it to that function's arguments; "none" offers no tools. Calls come back as
-`message.tool_calls` with finish_reason "tool_calls".
+`message.tool_calls` with finish_reason "tool_calls"; streamed, a call held by a grammar comes as
+OpenAI sends it (id and name, then its arguments in pieces as they are written).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import re
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -684,28 +686,77 @@ def tool_call_objects(calls: list[dict[str, str]]) -> list[dict[str, Any]]:
             for c in calls]
 
 
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+def _value_end(text: str, start: int) -> int | None:
+    """Where the JSON object or array at text[start] ends (exclusive); None while it is open."""
+    depth, in_string, escape = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_string:
+            if escape:
+                escape = False
+            elif c == "\\":
+                escape = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def call_pieces(text: str, start: int = 0) -> list[tuple[str, int, int | None]]:
+    """The calls `{"name": ..., "arguments": ...}` in `text` from `start`, as far as written:
+    (name, where the arguments start, where they end or None while they are being written)."""
+    out: list[tuple[str, int, int | None]] = []
+    pos = start
+    while (m := _CALL_HEAD.search(text, pos)) is not None:
+        name = json.loads(f'"{m.group(1)}"')
+        args_at = m.end()
+        end = _value_end(text, args_at) if args_at < len(text) and text[args_at] in "{[" else None
+        out.append((name, args_at, end))
+        if end is None:
+            break
+        pos = end
+    return out
+
+
 class ToolStream:
-    """Streaming of one choice's tool calls: content deltas as long as the text cannot be a call,
-    then the calls when the choice ends. Auto mode holds back a possible start of `<tool_call>`
-    (and a leading JSON value, which may be a bare call); a named function streams its arguments
-    as they come; "required" sends the calls once complete."""
+    """Streaming of one choice's tool calls, as OpenAI sends them: each call's id and name once
+    written, then its arguments as they come. Where a grammar makes the calls well-formed (a
+    named function, "required", auto mode's tagged calls) they stream as the model writes them;
+    otherwise (auto mode parsing free text) content streams as long as the text cannot be a call
+    (a possible start of `<tool_call>` and a leading JSON value are held back) and the calls come
+    when the choice ends."""
 
     def __init__(self, plan: ToolPlan):
         self.plan = plan
-        self.emitted = 0            # characters of the text already sent (as content or arguments)
+        self.emitted = 0            # characters of the text already sent as content (or named arguments)
         self.calls_at: int | None = None   # where call syntax starts in the text (held from there)
         self.call_id = new_call_id()
+        self.sent: list[int] = []   # per call streamed so far: characters of its arguments sent
+        self.live = plan.choice == "required" or (plan.choice == "auto" and plan.tagged)
 
     def update(self, text: str) -> list[dict[str, Any]]:
         """Deltas for the cumulative text so far (the choice is not finished)."""
         if self.plan.choice == "named":
             return self._named(text)
-        if self.plan.choice == "required" or self.calls_at is not None:
-            return []
+        if self.plan.choice == "required":
+            return self._stream_calls(text, 0)
+        if self.calls_at is not None:
+            return self._stream_calls(text, self.calls_at) if self.live else []
         found = text.find(TOOL_OPEN, self.emitted)
         if found >= 0:
             self.calls_at = found
-            return self._content(text, found)
+            out = self._content(text, found)
+            return out + (self._stream_calls(text, found) if self.live else [])
         stripped = text.lstrip()
         if self.emitted == 0 and (not stripped or stripped.startswith(("{", "["))):
             if stripped:
@@ -720,15 +771,32 @@ class ToolStream:
             deltas = self._named(text)
             return deltas, ("tool_calls" if reason == "stop" else reason)
         if self.plan.choice == "required":
-            calls = forced_calls(self.plan, text) if reason == "stop" else None
-            if calls is None:
-                return self._content(text, len(text)), reason
-            return self._calls(calls), "tool_calls"
+            deltas = self._stream_calls(text, 0)
+            complete = reason == "stop" and forced_calls(self.plan, text) is not None
+            return deltas, ("tool_calls" if complete else reason)
         if self.calls_at is not None:
             content, calls = parse_tool_calls(text[self.calls_at:], self.plan.names)
+            if self.live and self.sent:
+                return self._stream_calls(text, self.calls_at), ("tool_calls" if calls else reason)
             if calls:
                 return self._calls(calls), "tool_calls"
         return self._content(text, len(text)), reason
+
+    def _stream_calls(self, text: str, start: int) -> list[dict[str, Any]]:
+        """Deltas for the calls written from `start`: a new call's id and name, then the part of
+        each call's arguments not sent yet."""
+        out = []
+        for k, (name, at, end) in enumerate(call_pieces(text, start)):
+            if k == len(self.sent):
+                self.sent.append(0)
+                out.append({"tool_calls": [{"index": k, "id": new_call_id(), "type": "function",
+                                            "function": {"name": name, "arguments": ""}}]})
+            stop = end if end is not None else len(text)
+            piece = text[at + self.sent[k]:stop] if stop > at + self.sent[k] else ""
+            if piece:
+                self.sent[k] += len(piece)
+                out.append({"tool_calls": [{"index": k, "function": {"arguments": piece}}]})
+        return out
 
     def _content(self, text: str, upto: int) -> list[dict[str, Any]]:
         piece = text[self.emitted:upto]

@@ -71,6 +71,42 @@ def test_tool_stream_holds_back_call_syntax():
     assert plain.update("a <") == [{"content": "a "}] and plain.finish("a <b", "stop") == ([{"content": "<b"}], "stop")
 
 
+def _reassemble(deltas: list[dict]) -> dict[int, dict]:
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        for c in d.get("tool_calls", []):
+            call = calls.setdefault(c["index"], {"name": "", "arguments": ""})
+            call["name"] += c["function"].get("name", "")
+            call["arguments"] += c["function"].get("arguments", "")
+    return calls
+
+
+@pytest.mark.parametrize("choice, text", [
+    ("required", '[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_time", "arguments": {"tz": "UTC"}}]'),
+    ("auto", 'Sure. <tool_call>\n{"name": "get_time", "arguments": {"tz": "JST"}}\n</tool_call>'),
+])
+def test_tool_calls_stream_as_written(choice, text):
+    """Grammar-held calls stream as OpenAI sends them: each call's id and name as soon as the name
+    is written, then its arguments in pieces that add up to the final JSON."""
+    plan = parse_tools({"tools": TOOLS, "tool_choice": choice, "parallel_tool_calls": True})
+    plan.tagged = True
+    stream, deltas, name_seen_at = ToolStream(plan), [], None
+    for end in range(1, len(text) + 1):
+        step = stream.update(text[:end])
+        if name_seen_at is None and any(c.get("id") for d in step for c in d.get("tool_calls", [])):
+            name_seen_at = end
+        deltas += step
+    last, reason = stream.finish(text, "stop")
+    deltas += last
+    calls = _reassemble(deltas)
+    assert reason == "tool_calls" and name_seen_at is not None and name_seen_at < len(text) - 10
+    assert sum(1 for d in deltas if "tool_calls" in d and "id" not in d["tool_calls"][0]) > 3   # in pieces
+    want = [("add", {"a": 1, "b": 2}), ("get_time", {"tz": "UTC"})] if choice == "required" else \
+        [("get_time", {"tz": "JST"})]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == want
+    assert "".join(d.get("content", "") for d in deltas) == ("" if choice == "required" else "Sure. ")
+
+
 def test_required_schema_accepts_exactly_the_calls():
     schema = tool_call_schema(parse_tools({"tools": TOOLS, "tool_choice": "required"}))
     jsonschema.validate({"name": "add", "arguments": {"a": 1, "b": 2}}, schema)
