@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import importlib
 import logging
 import os
 import sys
 
-from plait.runtime.server_args import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
+from plait.runtime.server_args import (DTYPE_CHOICES, GRAMMAR_BACKENDS, KV_CACHE_DTYPE_CHOICES, PYTHON_ONLY,
+                                      QUANTIZATIONS, SCHEDULE_POLICIES, SPECULATIVE_ALGORITHMS, ServerArgs)
 
 # Before torch is imported (see plait/__init__.py).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -21,7 +23,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (default, bundled), a .gguf file, a HF folder or a hub id")
     p.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default: loopback only)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
     p.add_argument("--api-key", default=os.environ.get("PLAIT_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on every route except /health "
                         "(default: $PLAIT_API_KEY)")
@@ -32,29 +34,36 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a generate request may run; past it the request is aborted with a 504 error")
     p.add_argument("--log-requests", action="store_true",
                    help="log each request body (prompts included); off by default")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="the weights' and activations' dtype (auto: the model's, float32 for a GGUF on the CPU)")
     p.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPE_CHOICES,
                    help="the KV cache's dtype (default auto: the model's); bfloat16 under a float32 model halves "
                         "the cache's memory and what each decode step reads of it, fp8_e4m3 / fp8_e5m2 (8-bit "
                         "floats, no scales; fp8 = fp8_e4m3) halve a bfloat16 model's")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--context-length", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
-    p.add_argument("--kv-memory-fraction", type=float, default=None)
-    p.add_argument("--chunked-prefill-size", type=int, default=None)
-    p.add_argument("--max-running-requests", type=int, default=None)
-    p.add_argument("--schedule-policy", default=None, choices=["lpm", "fcfs"])
-    p.add_argument("--disable-radix-cache", action="store_true")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8"],
+    p.add_argument("--kv-memory-fraction", type=float, default=None,
+                   help="KV pool size as a fraction of available memory, when --max-total-tokens is unset")
+    p.add_argument("--chunked-prefill-size", type=int, default=None,
+                   help="prefill tokens per step; longer prompts are prefilled in chunks")
+    p.add_argument("--max-running-requests", type=int, default=None,
+                   help="requests decoded together at most (the rest wait)")
+    p.add_argument("--schedule-policy", default=None, choices=SCHEDULE_POLICIES,
+                   help="lpm: longest cached prefix first (default); fcfs: arrival order")
+    p.add_argument("--disable-radix-cache", action="store_true",
+                   help="no prefix sharing between requests (the naive cache)")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                    help="int8: per-channel int8 weights; int4: 4-bit weights in groups of 32 (GGUF Q4_1's "
                         "scheme, exact for Q4_1 models; LM head int8); fp8: CUDA sm90+ only")
-    p.add_argument("--grammar-backend", default=None, choices=["auto", "xgrammar", "llguidance", "outlines"],
+    p.add_argument("--grammar-backend", default=None, choices=GRAMMAR_BACKENDS,
                    help="constrained decoding backend (default auto: llguidance for JSON schemas, xgrammar "
                         "for the rest, each falling back to the other)")
     p.add_argument("--grammar-compile-timeout", type=float, default=None, help="seconds per grammar compile")
     p.add_argument("--disable-jump-forward", action="store_true",
                    help="sample grammar-forced text token by token instead of appending it")
-    p.add_argument("--speculative-algorithm", default=None, choices=["ngram", "draft"],
+    p.add_argument("--speculative-algorithm", default=None, choices=SPECULATIVE_ALGORITHMS,
                    help="ngram: prompt-lookup speculative decoding (drafts copied from prompt + output); "
                         "draft: a smaller draft model with the same tokenizer proposes (--speculative-draft-model)")
     p.add_argument("--speculative-draft-model", default=None,
@@ -89,8 +98,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA: decode eagerly instead of replaying captured CUDA graphs")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest decode batch replayed from a CUDA graph (default min(max running requests, 64))")
-    p.add_argument("--random-seed", type=int, default=None)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--random-seed", type=int, default=None,
+                   help="seed of the sampler's generator (requests' own seeds win)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="logging level of the server and its processes")
     p.add_argument("--dp-size", type=int, default=1,
                    help="data parallelism: N engine replicas (child servers on loopback) behind a cache-aware router")
     p.add_argument("--tp-size", type=int, default=None, help="tensor parallelism: split the model over N ranks")
@@ -99,17 +110,36 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="this node's index; node 0 serves HTTP, the others only run their ranks")
     p.add_argument("--dist-init-addr", default=None,
                    help="HOST:PORT where node 0's rank 0 hosts the torch.distributed store (required with --nnodes > 1)")
+    p.add_argument("--dist-timeout", type=float, default=None,
+                   help="seconds a tensor-parallel collective may wait on a silent rank before failing (default 300)")
+    p.add_argument("--revision", default=None, help="the hub revision (branch, tag or commit) of a hub --model")
 
 
-# CLI option -> ServerArgs field; None means "the engine's default".
-_ENGINE_OPTIONS = ("model", "dtype", "kv_cache_dtype", "device", "context_length", "max_total_tokens", "kv_memory_fraction",
-                   "chunked_prefill_size", "max_running_requests", "schedule_policy", "disable_radix_cache",
-                   "num_threads", "omp_spincount", "random_seed", "log_level", "grammar_backend", "grammar_compile_timeout",
-                   "disable_jump_forward", "json_max_number_digits", "json_max_string_length", "speculative_algorithm", "speculative_num_draft_tokens",
-                   "speculative_ngram_min_match", "speculative_ngram_max_match", "speculative_max_batch",
-                   "speculative_draft_model", "speculative_draft_quantization", "speculative_draft_max_tokens",
-                   "quantization", "enable_torch_compile", "disable_weight_prepack", "disable_cuda_graph",
-                   "cuda_graph_max_bs", "tp_size", "nnodes", "node_rank", "dist_init_addr")
+# The ServerArgs fields `plait serve` takes, each as --field-name; None means "the engine's default".
+_ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(ServerArgs) if f.name not in PYTHON_ONLY)
+
+
+def serve_flags_markdown() -> str:
+    """docs/server_args.md: every `plait serve` flag with its default and meaning, from the parser
+    and ServerArgs (tests/test_cli_docs.py checks the file is this)."""
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    defaults = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
+    rows = []
+    for a in serve._actions:
+        if not a.option_strings or a.dest == "help":
+            continue
+        default = a.default if a.default is not None else defaults.get(a.dest)
+        shown = "" if default is None or default is False else f"`{default}`"
+        if a.dest == "api_key":
+            shown = "`$PLAIT_API_KEY`"
+        choices = f" ({' / '.join(map(str, a.choices))})" if a.choices else ""
+        text = " ".join((a.help or "").split()).replace("|", "\\|")
+        rows.append(f"| `{a.option_strings[0]}` | {shown} | {text}{choices} |")
+    return ("# `plait serve` flags\n\nGenerated from the parser (`plait/cli.py`) and `ServerArgs` "
+            "(`runtime/server_args.py`); `plait.Engine(...)` takes the engine's flags as keyword arguments "
+            "(`--max-total-tokens` is `max_total_tokens`). Regenerate with\n"
+            "`python -c \"from plait.cli import serve_flags_markdown as m; print(m(), end='')\" > docs/server_args.md`.\n\n"
+            "| flag | default | meaning |\n|---|---|---|\n" + "\n".join(rows) + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

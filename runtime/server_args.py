@@ -11,6 +11,11 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")   # dtype's (auto: th
 # K/V stay below 25 in magnitude, e4m3 holds up to 448); vLLM's "fp8" is fp8_e4m3
 FP8_KV_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 KV_CACHE_DTYPE_CHOICES = DTYPE_CHOICES + tuple(FP8_KV_DTYPES)
+SCHEDULE_POLICIES = ("lpm", "fcfs")
+GRAMMAR_BACKENDS = ("auto", "xgrammar", "llguidance", "outlines")
+QUANTIZATIONS = ("int8", "int4", "fp8")
+SPECULATIVE_ALGORITHMS = ("ngram", "draft")
+PYTHON_ONLY = ("cuda_graph_eager",)   # fields with no `plait serve` flag (tests and debugging)
 
 
 def kv_cache_torch_dtype(name: str, model_dtype):
@@ -71,15 +76,15 @@ class ServerArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, "
                              f"got {self.kv_cache_dtype!r}")
-        if self.schedule_policy not in ("lpm", "fcfs"):
+        if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}")
         for name in ("max_running_requests", "chunked_prefill_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.grammar_backend not in ("auto", "xgrammar", "outlines", "llguidance"):
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
             raise ValueError(f"grammar_backend must be auto, xgrammar, outlines or llguidance, "
                              f"got {self.grammar_backend!r}")
-        if self.speculative_algorithm not in (None, "ngram", "draft"):
+        if self.speculative_algorithm not in (None, *SPECULATIVE_ALGORITHMS):
             raise ValueError(f"speculative_algorithm must be 'ngram' or 'draft' (or unset), "
                              f"got {self.speculative_algorithm!r}")
         if self.speculative_algorithm == "draft" and not self.speculative_draft_model:
@@ -98,7 +103,7 @@ class ServerArgs:
             raise ValueError("speculative_ngram_max_match must be >= speculative_ngram_min_match")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
-        if self.quantization not in (None, "int8", "int4", "fp8"):
+        if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization must be int8, int4 or fp8 (or unset), got {self.quantization!r}")
         for name in ("json_max_number_digits", "json_max_string_length"):
             if getattr(self, name) < 0:
