@@ -289,8 +289,8 @@ class DecodeMirror:
         """Zeroed K and V blocks of `shape` for every layer (K0, V0, K1, ...: the order a step
         reads them). On the CPU they are views of one buffer in 2 MB pages (weight_arena's): a
         step streams the whole mirror, and in 4 KB pages each page is a TLB miss behind the
-        weights' stream and a stop for the hardware prefetcher (decode attention over 30 layers'
-        bfloat16 mirrors, 1 row x 512 keys, alternated in one process: 1.07-1.12 vs 1.20-1.22 ms)."""
+        weights' stream and a stop for the hardware prefetcher, which slows the step's decode
+        attention."""
         count, each = 2 * self.num_layers, shape[0] * shape[1] * shape[2] * shape[3]
         buf = None
         if self.pool.k[0].device.type == "cpu" and each:

@@ -106,8 +106,8 @@ class ForwardBatch:
         )
 
 
-# A batch-1 decode step spends ~1 ms in Python around its op, with the caches cold after the
-# weights' stream (README: a first tensor op then took 186-247 us). What is the same every step is made once.
+# A batch-1 decode step spends a fair part of its time in Python around its op, with the caches cold
+# after the weights' stream (a first tensor op then is slow). What is the same every step is made once.
 _ARANGES: dict[torch.device, torch.Tensor] = {}
 
 
@@ -140,7 +140,7 @@ def _decode_start(prefix_lens: list[int], extend_lens: list[int]) -> int:
 
 def _build_group(start: int, rows: list[int], prefix_lens: list[int], extend_lens: list[int],
                  req_to_token: torch.Tensor) -> tuple[AttnGroup, torch.Tensor]:
-    # sizes from the Python lists: at batch 1 each small tensor op here is a few us of a ~4 ms step
+    # sizes from the Python lists: at batch 1 each small tensor op here is a noticeable part of a step
     bsz = len(rows)
     seq_list = [p + e for p, e in zip(prefix_lens, extend_lens)]
     max_q, max_kv, num_tokens = max(extend_lens), max(seq_list), sum(extend_lens)
@@ -148,7 +148,7 @@ def _build_group(start: int, rows: list[int], prefix_lens: list[int], extend_len
     seq = torch.tensor(seq_list, dtype=torch.int64)
     # one row: a view of the table (nothing writes the table while the step runs), 1-D as it is
     kv_indices = req_to_token[rows[0], :max_kv] if bsz == 1 else req_to_token[torch.tensor(rows), :max_kv].view(-1)
-    if max_q == 1:   # (a decode group: its tensors only, ~10 us each at batch 1)
+    if max_q == 1:   # (a decode group: its tensors only, each one a cost at batch 1)
         positions, q_scatter = pre, None
         attn_mask = None if min(seq_list) == max_kv else (torch.arange(max_kv)[None, :] < seq[:, None])[:, None, None, :]
     else:

@@ -92,8 +92,8 @@ class ModelRunner:
         attn = self.model.layers[0].self_attn
         self.num_layers = self.config.num_hidden_layers
         # KV in the model's dtype: a bfloat16 model's K/V are bfloat16 values, which a float32 pool
-        # would only hold at twice the bytes (decode attention reads them every step: 32 rows x 512
-        # keys, cold, 457-537 vs 778-880 us a layer; SDPA widens them to float32 on the CPU, see
+        # would only hold at twice the bytes (decode attention reads them every step, and is faster
+        # on half the bytes; SDPA widens them to float32 on the CPU, see
         # attention.sdpa_dtype, so results are those of a float32 pool). --kv-cache-dtype picks another:
         # bfloat16 under a float32 model rounds each K/V value once and halves the cache's bytes; the
         # 8-bit floats (fp8_e4m3, fp8_e5m2) halve a bfloat16 model's (decode attention widens them).

@@ -44,19 +44,8 @@ def onednn_takes(dtype: torch.dtype) -> bool:
 
 
 # Up to this many rows (decode's batch sizes) `cpu_kernels.small_gemm` on the weight's panels; above,
-# oneDNN's prepacked GEMM (prefill). SmolLM2's 120 layer matrices, 2 threads, weights out of cache
-# (load ~1), ms small_gemm vs oneDNN (vs the row-streaming GEMV this replaced): float32 1 row
-# 11.8 vs 15.5 (12.0), 4 rows 11.8 vs 13.6 (12.3), 8 rows 11.7 vs 15.2 (20.9), 16 16.5 vs 18.8,
-# 32 24.0 vs 28.8, 64 46.5 vs 45.5; bfloat16 1 row 5.4 vs 8.6 (5.9), 4 5.2 vs 8.3 (5.8), 8 5.8 vs
-# 9.2 (6.8), 16 8.5 vs 11.3, 32 12.4 vs 16.2, 64 23.2 vs 26.0. Whole SmolLM2 decode steps, arms
-# alternating in one process (load ~1.8), ms min small_gemm vs oneDNN: float32 batch 8 18.9 vs 25.3,
-# 32 45.1 vs 50.0, 64 82.4 vs 78.8; bfloat16 batch 8 12.6 vs 15.0, 32 27.9 vs 30.4, 64 50.9 vs 52.9.
-# Since small_gemm's panel loop lost two divisions per k step (all 120 matrices + LM head, alternating,
-# load ~1.6, ms min small_gemm vs oneDNN): bfloat16 64 rows 28.1 vs 33.4, 96 41.9 vs 46.2, 128 44.9
-# vs 48.6, 256 89.7 vs 90.8; float32 32 25.4 vs 33.6, 48 35.0 vs 43.3, 64 46.3 vs 55.2, 128 93.0 vs
-# 95.3. Whole steps, the limits below vs the old 64 / 32 (two schedulers taking turns, load 1.7-2.0):
-# bfloat16 batch 96 66.0 / 66.2 / 64.4 vs 76.7 / 71.2 / 75.0 ms; float32 batch 64 74.9 / 73.3 / 83.6
-# vs 98.0 / 108.3 / 95.9 (those batches now also take the fused decode step).
+# oneDNN's prepacked GEMM (prefill). Each limit is about where small_gemm stops beating oneDNN, over
+# SmolLM2's matrices and in whole decode steps; the batches up to it also take the fused decode step.
 SMALL_GEMM_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 128}
 
 
@@ -85,8 +74,7 @@ class PackedLinear(nn.Module):
         # the kernel adds a float32 bias: converted once here, not on every call
         self.small_bias = None if self.bias is None or not small else self.bias.float()
         # Without that kernel, a float32 single row goes through bmm with the weight viewed as
-        # [2, N/2, K], whose two halves run on two cores (oneDNN's GEMV runs on one; 46 -> 38 ms a
-        # batch-1 step, on an earlier machine).
+        # [2, N/2, K], whose two halves run on two cores (oneDNN's GEMV runs on one).
         self.halves = None
         if (small_rows and not panels_only and not small and weight.dtype == torch.float32 and self.out_features % 2 == 0
                 and torch.get_num_threads() > 1):

@@ -6,74 +6,56 @@ replaced by a module holding quantized weights.
 
 - CPU, `int8pack` (default): weight-only. Up to 8 rows (decode's batches), on a CPU with
   AVX512-VNNI or AVX2, `cpu_kernels.int8_gemv` (int16 activations in blocks of 64, exact int32 dot
-  products; see the LM head below; whole float32 + int8 SmolLM2 decode steps, arms alternating in
-  one process, load 1.7, ms min/median: batch 1 5.40/6.56 vs 10.25/10.78 with torch's kernel,
-  batch 4 8.65/8.75 vs 12.60/13.32). Without either, below 4 rows (batch-1 / small-batch decode, where
-  reading the weights is the cost) `torch._weight_int8pack_mm` reads the int8 weights with
-  bfloat16 activations; from 4 rows on (from 9 with that kernel), where compute is the cost and that kernel (which does not
-  reuse a weight across rows) falls behind, a bfloat16 copy of the *dequantized* int8 weights
-  computes the same product: in `cpu_kernels.small_gemm`'s panels where that kernel runs (whole
-  bf16+int4 steps, arms alternating, load ~1.5: batch 16 21.2 vs 24.7 ms, batch 32 29.6 vs 33.6
-  with oneDNN's GEMM), else prepacked for oneDNN. So int8 on the CPU holds 3 bytes a weight (2 where `int8_rows`
-  takes the many rows, below: its packed copy instead of the bfloat16 one).
-  Measured on SmolLM2-135M's shapes (2 cores, 30 layers + LM head, weights out of cache, load ~15):
-  M=1: 89 ms vs 183 ms float32 prepacked; M=4: 92 vs 188 (int8pack alone 125); M=32: 238 vs 372
-  (int8pack alone 658).
+  products; see the LM head below; whole decode steps run faster than with torch's kernel).
+  Without either, below 4 rows (batch-1 / small-batch decode, where reading the weights is the
+  cost) `torch._weight_int8pack_mm` reads the int8 weights with bfloat16 activations; from 4 rows
+  on (from 9 with that kernel), where compute is the cost and that kernel (which does not reuse a
+  weight across rows) falls behind, a bfloat16 copy of the *dequantized* int8 weights computes the
+  same product: in `cpu_kernels.small_gemm`'s panels where that kernel runs (faster there than
+  oneDNN's GEMM), else prepacked for oneDNN. So int8 on the CPU holds 3 bytes a weight (2 where
+  `int8_rows` takes the many rows, below: its packed copy instead of the bfloat16 one).
 - `w8a8` (opt-in, `PLAIT_INT8_KERNEL=w8a8`): activations quantized to int8 per token, then
-  `torch._int_mm` (int8 x int8 -> int32): 2.2x faster than float32 at M=32, but on SmolLM2 it costs
-  perplexity 24.08 -> 25.51 and 94% teacher-forced top-1 agreement (the weight-only default then:
-  24.09, 97%; `plait bench quality --configs int8` with today's kernels: 24.03, 94%), so it is not the default. (fbgemm's dynamic int8 linear, per-tensor activations, was
-  faster still and worse: perplexity 39.6.)
+  `torch._int_mm` (int8 x int8 -> int32): 2.2x faster than float32 at M=32, but on SmolLM2 it is
+  clearly less accurate than the weight-only default, so it is not the default. (fbgemm's dynamic
+  int8 linear, per-tensor activations, was faster still and worse.)
 - `dequant`: dequantize then `F.linear`; the CUDA int8 path and the reference.
 
 `int4`: GGUF Q4_1's scheme, asymmetric 4-bit codes in groups of 32 along K (`quantize_int4`).
 Each group's minimum gets code 0 and its maximum code 15, so for a model loaded from a Q4_1 GGUF
 (the default SmolLM2: every attention and MLP matrix) re-quantizing the dequantized float32
 weights gives back the file's codes, d and m exactly (held as float16, as the file does): int4
-*is* the file's model, while int8 re-rounds it. On SmolLM2, KL(float32 || quantized) over the
-logits of benchmarks/quality.py's text: int4 0.0017, int8 0.0050; perplexity 24.080 (float32),
-24.060 (int4), 24.086 (int8). Kernels:
+*is* the file's model, while int8 re-rounds it (on SmolLM2 int4's logits are the closer of the
+two to float32's). Kernels:
 
 - CPU, `int4pack` (default): up to 8 rows (decode's batches, a request's speculative drafts),
-  `cpu_kernels.int4_gemv` on a CPU with AVX512-VNNI or AVX2: x quantized to int16 per group of 32, code x
-  activation products summed exactly in int32 (vpdpwssd; AVX2: vpmaddwd), Q4_1's float16 scales and minimums
-  applied once per group, 16 output rows to a vector; it reads the weights at close to the
-  machine's bandwidth where torch's kernel (float32 FMAs on converted codes) is compute-bound.
-  SmolLM2's 120 layer matrices at one row (2 threads, load 0.4): 2.41 vs 3.27 ms (torch's), 2
-  rows 2.37 vs 3.61, 4 rows 2.64 vs 4.42, 8 rows 5.86 vs 7.46 (there both are compute-bound);
-  whole bf16+int4 decode steps, arms alternating in one process (load 0.7-1.1): batch 1 6.1 vs
-  7.3 ms (min of 6 rounds; medians 6.8 vs 8.2), batch 4 7.9 vs 9.9, batch 8 13.1 vs 14.9. KL to
-  float32 over 48 decode steps of the quality text: 0.00107 vs 0.00121 (torch's kernel, bfloat16
-  activations and scales). Without either, torch's `_weight_int4pack_mm_for_cpu` with bfloat16
-  activations (float32 ones are ~20x slower) up to 9 rows. From there on the bfloat16 copy of the
-  dequantized weight, as int8 does (whole-step figures at `_INT4PACK_MAX_ROWS`) - except on a CPU
-  without bfloat16 dot products (AVX2, AVX-512 without BF16: `cpu_kernels.int4_gemv_all_rows`),
-  where `int4_gemv` takes every row count, 8 rows of x at a time over each ~32 KB of weights while
-  it is in L1/L2 (SmolLM2's 120 matrices on the AVX2 Zen 3, bfloat16 x, GFLOP/s: 16 rows 203 vs the
-  copy's small_gemm 114, 32 rows 205-214 vs 116-122, 256 rows 206 vs 119; whole bf16+int4 decode
-  steps, 128-token prompts, batch 32: 88.9 -> 58.1 ms median, prefill 463 -> 713 tok/s), and no
-  bfloat16 copy is made. Both kernels need N % 16 == 0 (else the bf16 copy serves every row); a
-  layer whose K is not a multiple of 32 is int8 instead. So int4 on the CPU holds 3.25 bytes a
-  weight (codes and scales, the kernel's layout, the bf16 copy; 1.25 without the copy), 0.625 of
-  them read at batch 1.
+  `cpu_kernels.int4_gemv` on a CPU with AVX512-VNNI or AVX2: x quantized to int16 per group of 32,
+  code x activation products summed exactly in int32 (vpdpwssd; AVX2: vpmaddwd), Q4_1's float16
+  scales and minimums applied once per group, 16 output rows to a vector; it reads the weights at
+  close to the machine's bandwidth where torch's kernel (float32 FMAs on converted codes) is
+  compute-bound, and its results are closer to float32's than that kernel's (bfloat16 activations
+  and scales). Without either, torch's `_weight_int4pack_mm_for_cpu` with bfloat16 activations
+  (float32 ones are ~20x slower) up to 9 rows. From there on the bfloat16 copy of the dequantized
+  weight, as int8 does (see `_INT4PACK_MAX_ROWS`) - except on a CPU without bfloat16 dot products
+  (AVX2, AVX-512 without BF16: `cpu_kernels.int4_gemv_all_rows`), where `int4_gemv` takes every
+  row count, 8 rows of x at a time over each ~32 KB of weights while it is in L1/L2 (faster there
+  than the copy's small_gemm at every row count, prefill included), and no bfloat16 copy is made.
+  Both kernels need N % 16 == 0 (else the bf16 copy serves every row); a layer whose K is not a
+  multiple of 32 is int8 instead. So int4 on the CPU holds 3.25 bytes a weight (codes and scales,
+  the kernel's layout, the bf16 copy; 1.25 without the copy), 0.625 of them read at batch 1.
 - `dequant`: dequantize then `F.linear`; other devices and torch builds without the kernel.
 
 The LM head stays int8 with `int4`: it is the matrix whose error lands on the logits directly,
 and the GGUF stores it (the tied token embedding) as Q8_0, not 4-bit; llama.cpp's 4-bit mixes keep
-it at 6-8 bits as well. Measured on SmolLM2: an int4 head raises KL to 0.059 and drops top-1
-agreement with float32 from 97% to 81%, for 3.7 ms less per batch-1 step (the head alone: int8
-5.6, int4 1.9 ms, load 4). Up to 8 rows, an int8 LM head on a CPU with AVX512-VNNI or AVX2 runs through
-`cpu_kernels` `int8_gemv` (`Int8Linear.use_vnni_gemv`): activations as int16 in blocks of 64, exact
-int32 dot products, float32 logits. Measured on SmolLM2's head [49152, 576], 2 threads: 1 row
-1.05 vs 2.87 ms (`_weight_int8pack_mm`), 3 rows 1.6 vs 3.5; on 242 positions of the quality text,
-KL to the float32 head 0.00096 vs 0.00165 with bfloat16 activations. On a CPU with AVX2 and no AVX-512,
-int8 layers and head go through `cpu_kernels` `int8_rows` instead, at every row count
-(`Int8Linear.use_vnni_gemv`): the same int16 activations and int32 block sums, with the weight
-packed so that 16 outputs share a vector (no horizontal sum per output), 6 rows of x a pass. The
-head [49152, 576], weights out of cache, ms: 1 row 1.15 vs int8_gemv's 1.31, 2 rows 1.17 vs 1.63, 8
-rows 2.64 vs 3.76 (SmolLM2's 120 layer matrices: 1 row 4.73 vs 5.68, 8 rows 10.90 vs 14.98);
-GFLOP/s past 8 rows: 9 rows 175-180 vs the bfloat16 copy's 94, 32 rows 170-172 vs 110-114, 64 rows
-169 vs 121 (int8_gemv there: 104-107). The bfloat16 copy is then dropped.
+it at 6-8 bits as well. On SmolLM2 an int4 head moves the logits much further from float32's (KL,
+top-1 agreement) for a small saving per step. Up to 8 rows, an int8 LM head on a CPU with
+AVX512-VNNI or AVX2 runs through `cpu_kernels` `int8_gemv` (`Int8Linear.use_vnni_gemv`):
+activations as int16 in blocks of 64, exact int32 dot products, float32 logits: faster than
+`_weight_int8pack_mm`, and closer to the float32 head than bfloat16 activations. On a CPU with AVX2
+and no AVX-512, int8 layers and head go through `cpu_kernels` `int8_rows` instead, at every row
+count (`Int8Linear.use_vnni_gemv`): the same int16 activations and int32 block sums, with the
+weight packed so that 16 outputs share a vector (no horizontal sum per output), 6 rows of x a
+pass: faster than int8_gemv at 1-8 rows and than the bfloat16 copy past them. The bfloat16 copy is
+then dropped.
 
 `fp8` (CUDA only, compute capability >= 9.0): float8 e4m3 weights with per-row scales and
 per-token activation scales through `torch._scaled_mm`; other GPUs fall back to int8 dequant.
@@ -97,9 +79,8 @@ INT4_KERNELS = ("int4pack", "dequant")
 INT4_GROUP_SIZE = 32     # GGUF Q4_1's block
 _FP8_MAX = 448.0   # largest finite float8_e4m3fn
 _INT8PACK_MAX_ROWS = 4   # CPU: from this many rows, the bf16 copy of the dequantized weight is faster
-# CPU: below this many rows the int4 kernel, from it the bf16 copy. Whole bf16+int4 decode steps,
-# arms alternating in one process (load 1.2-1.5), ms kernel vs copy: batch 2 19.2 vs 32.1, 4 23.0 vs
-# 31.4, 8 30.2-33.3 vs 34.3-38.2, 12 52.0 vs 52.3, 16 46.8 vs 43.1, 32 81.2 vs 62.1.
+# CPU: below this many rows the int4 kernel, from it the bf16 copy: about where they cross over in
+# whole bf16+int4 decode steps.
 _INT4PACK_MAX_ROWS = 10
 _INT4PACK_GROUP_SIZES = (32, 64, 128, 256)   # what torch's CPU int4 kernel accepts
 # cpu_kernels.int4_gemv (AVX512-VNNI or AVX2) up to this many rows; past them the bf16 copy, except
@@ -479,8 +460,8 @@ def quantize_model(model: nn.Module, method: str, kernel: str | None = None) -> 
     head_method = "int8" if method == "int4" else method
     for head in heads:
         head.packed = make_quantized_linear(head.local_weight(), None, head_method, kernel)
-    for mod in model.modules():   # layers and LM head: int16 activations, exact-er than bf16 ones;
-        if isinstance(mod, Int8Linear):   # batch 1: head 2.9 -> 1.1 ms, float32+int8 step 10.3 -> 5.4 ms
+    for mod in model.modules():   # layers and LM head: int16 activations, exact-er than bf16 ones,
+        if isinstance(mod, Int8Linear):   # and faster at batch 1 (the head and the whole step)
             mod.use_vnni_gemv()
     if hasattr(model, "forget_decode_plans"):   # its cached plans hold the replaced projections
         model.forget_decode_plans()

@@ -3,8 +3,7 @@
 A batch-1 decode step streams every weight once from memory, matrix after matrix. In 4 KB pages the
 hardware prefetchers stop at each page boundary and the TLB misses every few KB, so a stream runs
 well below the machine's bandwidth; in 2 MB pages, laid out in the order the step reads them, it
-runs closer to it (SmolLM2's 120 bfloat16 layer matrices at one row, AVX2 machine: 9.1-9.7 ms
-as separate tensors, 8.0-8.6 in one huge-page buffer; a 256 MB read 34 -> 42 GB/s).
+runs closer to it.
 
 `consolidate(model)` copies every large weight tensor its modules hold (parameters, buffers and
 plain tensor attributes such as prepacked panels), in module order (a decoder's execution order),

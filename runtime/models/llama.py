@@ -173,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
     def _begin_fused_decode(self, batch: ForwardBatch, backend: AttentionBackend) -> tuple | None:
         """A steady decode step runs its layers in one `cpu_kernels.decode_layers_` call (the kernels
         the layer loop would run, in its order, without ~10 Python module calls a layer between them:
-        the same results, ~2 ms less a batch-1 step of SmolLM2), and where the LM head's kernel is
+        the same results, a shorter step), and where the LM head's kernel is
         one of the op's, from token ids to logits in one `decode_step` call. Returns (the op's
         `DecodePlan`, this step's tensors, whether the plan has the step's ends), the step begun;
         None where the layer loop must run (prefill, drafts, a mirror row refilled, a projection
