@@ -89,3 +89,10 @@ def test_no_compiler_means_no_kernels_and_the_eager_ops(tmp_path):
     env["CXX"] = str(tmp_path / "no-such-compiler")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_disabled_by_environment():
+    """PLAIT_CPU_KERNELS=0: no build is loaded (once, not per kernel path)."""
+    code = "from plait.runtime import cpu_kernels as c; import sys; sys.exit(0 if c.load() is False else 1)"
+    env = dict(os.environ, PLAIT_CPU_KERNELS="0")
+    assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 0
