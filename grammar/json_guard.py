@@ -227,7 +227,8 @@ class JsonGuard(Matcher):
                 if self.inner.can_end():
                     return steps + 1
                 self.inner.fill_mask(self._probe, 0)
-                tok = self._narrow(self._probe[0], self._tiers(s, True))
+                self._narrow(self._probe[0], self._tiers(s, True))
+                tok = self._lowest(self._probe[0])
                 if tok < 0 or not self.inner.accept(tok):
                     break
                 steps += 1
@@ -237,15 +238,18 @@ class JsonGuard(Matcher):
         finally:
             self.inner.rollback(steps)
 
-    def _narrow(self, r: "torch.Tensor", tiers: list["torch.Tensor"]) -> int:
-        """Narrow mask row `r` to the first tier that leaves a token; the lowest allowed token id
-        (-1 if none)."""
+    def _narrow(self, r: "torch.Tensor", tiers: list["torch.Tensor"]) -> None:
+        """Narrow mask row `r` to the first tier that leaves a token (unchanged if none does)."""
         narrowed = self._scratch
         for m in tiers:
             torch.bitwise_and(r, m, out=narrowed)
             if bool(narrowed.any()):
                 r.copy_(narrowed)
-                break
+                return
+
+    @staticmethod
+    def _lowest(r: "torch.Tensor") -> int:
+        """The lowest token id mask row `r` allows (-1 if none)."""
         words = r.nonzero()
         if not len(words):
             return -1
