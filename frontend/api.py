@@ -1,4 +1,10 @@
-"""The DSL's public functions: `function`, `gen`, `select`, roles, default backend."""
+"""The DSL's public functions: `function`, `gen`, `select`, roles, default backend.
+
+The names and parameters are SGLang 0.5.5's frontend API (`sglang/lang/api.py`), with the same
+meaning; the few that plait does not do (images, video, `Runtime`, `trace`, `compile`) raise
+NotImplementedError naming what is missing. `tests/test_dsl_sglang_api.py` compares the
+signatures with the installed sglang wheel.
+"""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -6,13 +12,15 @@ import functools
 import inspect
 import os
 import threading
-from typing import Any, Callable
+import warnings
+from typing import Any, Callable, Iterator
 
 from . import context
 from .backends import BaseBackend, as_backend
 from .interpreter import ProgramState, StreamExecutor
 from .ir import (REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR, Call, ExprList, Gen, Role, RoleBegin, RoleEnd,
-                 Select, schema_to_str)
+                 Select, SeparateReasoning, schema_to_str)
+from .reasoning import think_format
 
 token_length_normalized = "token_length_normalized"
 greedy_token = "greedy_token"
@@ -24,13 +32,15 @@ _backend_lock = threading.Lock()
 
 
 def set_default_backend(backend: Any) -> None:
-    """The backend programs use when `run` is not given one: a backend object or a `plait.Engine`."""
+    """The backend programs use when `run` is not given one: a backend object or a `plait.Engine`
+    (None: no default)."""
     global _default_backend
     with _backend_lock:
-        _default_backend = as_backend(backend)
+        _default_backend = None if backend is None else as_backend(backend)
 
 
 def get_default_backend() -> BaseBackend | None:
+    """The backend set by `set_default_backend`, or None."""
     return _default_backend
 
 
@@ -42,69 +52,177 @@ def _resolve_backend(backend: Any) -> BaseBackend:
     return as_backend(backend)
 
 
+class GlobalConfig:
+    """SGLang's `sgl.global_config`: settings every program shares.
+
+    - `default_backend`: the same as `set_default_backend` / `get_default_backend`;
+    - `verbosity`: 2 or more prints each finished `run`'s text;
+    - `enable_precache_with_tracing`: `run_batch` first sends the program's constant prefix;
+    - `skip_special_tokens_in_output`, `spaces_between_special_tokens_in_out`: the detokenizer
+      settings sent with every gen (native backends);
+    - `enable_parallel_encoding`: SGLang joins `concate_and_append` forks by their KV cache where
+      the backend can; plait joins them by text whatever it says (same result, more prefill).
+    """
+
+    def __init__(self):
+        self.verbosity = 0
+        self.skip_special_tokens_in_output = True
+        self.spaces_between_special_tokens_in_out = True
+        self.enable_precache_with_tracing = True
+        self.enable_parallel_encoding = True
+
+    @property
+    def default_backend(self) -> BaseBackend | None:
+        return get_default_backend()
+
+    @default_backend.setter
+    def default_backend(self, backend: Any) -> None:
+        set_default_backend(backend)
+
+
+global_config = GlobalConfig()
+
+
 # --- expressions -----------------------------------------------------------------------------------
-_DTYPE_REGEX = {int: REGEX_INT, float: REGEX_FLOAT, bool: REGEX_BOOL}
+# gen(dtype=...): the regex, and whether the number also ends at a blank (SGLang adds " " and "\n"
+# to its stop strings, and its regexes allow them).
+_DTYPES = {"int": (REGEX_INT, True), "float": (REGEX_FLOAT, True), "bool": (REGEX_BOOL, False),
+           "str": (REGEX_STR, False)}
+_DTYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str", "int": "int", "float": "float",
+                "bool": "bool", "str": "str", "string": "str"}
+_NUMBER_STOPS = [" ", "\n"]
+
+
+def _dtype(dtype: Any, regex: str | None) -> tuple[str | None, list[str] | None]:
+    """The regex and extra stop strings of gen(dtype=...); dtype wins over regex, as in SGLang."""
+    if dtype is None:
+        return regex, None
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"dtype must be int, float, bool or str, got {dtype!r}")
+    dtype_regex, ends_at_blank = _DTYPES[_DTYPE_NAMES[dtype]]
+    if regex is not None:
+        warnings.warn(f"Both dtype and regex are set. Only dtype will be used. dtype: {dtype}, regex: {regex}",
+                      stacklevel=3)
+    return dtype_regex, (_NUMBER_STOPS if ends_at_blank else None)
 
 
 def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int | None = None,
-        stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
-        temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-        min_p: float | None = None, frequency_penalty: float | None = None,
-        presence_penalty: float | None = None, repetition_penalty: float | None = None,
-        ignore_eos: bool | None = None, regex: str | None = None, json_schema: Any = None,
-        ebnf: str | None = None, choices: list[str] | None = None, dtype: type | None = None,
-        seed: int | None = None, return_logprob: bool | None = None, logprob_start_len: int | None = None,
+        n: int | None = None, stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
+        stop_regex: str | list[str] | None = None, temperature: float | None = None, top_p: float | None = None,
+        top_k: int | None = None, min_p: float | None = None, frequency_penalty: float | None = None,
+        presence_penalty: float | None = None, ignore_eos: bool | None = None,
+        return_logprob: bool | None = None, logprob_start_len: int | None = None,
         top_logprobs_num: int | None = None, return_text_in_logprobs: bool | None = None,
-        max_new_tokens: int | None = None, choices_method: str | None = None) -> Gen | Select:
-    """Generate into variable `name`. One of regex / json_schema (dict, JSON string or pydantic
-    model class) / ebnf / choices / dtype (int, float, bool: by regex) constrains the output."""
-    if choices is not None:
-        return Select(name, list(choices), choices_method or token_length_normalized)
-    if dtype is not None:
-        if dtype in _DTYPE_REGEX:
-            regex = regex or _DTYPE_REGEX[dtype]
-        elif dtype is not str:
-            raise ValueError(f"dtype must be int, float, bool or str, got {dtype!r}")
+        dtype: type | str | None = None, choices: list[str] | None = None, choices_method: Any = None,
+        regex: str | None = None, json_schema: Any = None, *, repetition_penalty: float | None = None,
+        ebnf: str | None = None, seed: int | None = None, max_new_tokens: int | None = None) -> Gen | Select:
+    """Generate into variable `name` (None: text only), SGLang's parameters in SGLang's order.
+
+    One of regex / json_schema (dict, JSON string or pydantic model class) / ebnf / dtype (int,
+    float, bool, str: by SGLang's regexes; int and float also stop at " " and "\\n") constrains the
+    output; `choices` makes it a `select`. `n` > 1 makes the variable the list of n samples (one
+    request: they share the prompt's KV), the text going on with the first. `stop_regex`: stop
+    where the text first matches one of these patterns (the match is kept). Keyword-only: plait's
+    own `repetition_penalty`, `ebnf`, `seed`, and `max_new_tokens` (the protocol's name of max_tokens).
+    """
+    if choices:
+        return Select(name, list(choices), choices_method or token_length_normalized,
+                      0.0 if temperature is None else temperature)
+    regex, extra_stop = _dtype(dtype, regex)
     constraints = [k for k, v in (("regex", regex), ("json_schema", json_schema), ("ebnf", ebnf)) if v is not None]
     if len(constraints) > 1:
         raise ValueError(f"give at most one of regex, json_schema, ebnf (got {constraints})")
     params = {"max_new_tokens": max_new_tokens if max_new_tokens is not None else max_tokens,
-              "min_new_tokens": min_tokens, "stop": stop, "stop_token_ids": stop_token_ids,
-              "temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
+              "min_new_tokens": min_tokens, "n": n, "stop": stop, "stop_token_ids": stop_token_ids,
+              "stop_regex": stop_regex, "temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
               "frequency_penalty": frequency_penalty, "presence_penalty": presence_penalty,
               "repetition_penalty": repetition_penalty, "ignore_eos": ignore_eos, "regex": regex,
               "json_schema": schema_to_str(json_schema), "ebnf": ebnf, "seed": seed}
     logprob = {"return_logprob": return_logprob, "logprob_start_len": logprob_start_len,
                "top_logprobs_num": top_logprobs_num, "return_text_in_logprobs": return_text_in_logprobs}
-    return Gen(name, params, logprob)
+    return Gen(name, params, logprob, extra_stop)
 
 
-def gen_int(name: str | None = None, **kwargs) -> Gen:
-    return gen(name, dtype=int, **kwargs)
+def gen_int(name: str | None = None, max_tokens: int | None = None, n: int | None = None,
+            stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
+            stop_regex: str | list[str] | None = None, temperature: float | None = None,
+            top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+            frequency_penalty: float | None = None, presence_penalty: float | None = None,
+            ignore_eos: bool | None = None, return_logprob: bool | None = None,
+            logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
+            return_text_in_logprobs: bool | None = None, **kwargs: Any) -> Gen:
+    """`gen(dtype=int)`: an integer (the variable is its text). `kwargs`: gen's keyword-only ones."""
+    return gen(name, max_tokens, None, n, stop, stop_token_ids, stop_regex, temperature, top_p, top_k, min_p,
+               frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len,
+               top_logprobs_num, return_text_in_logprobs, dtype=int, **kwargs)
 
 
-def gen_string(name: str | None = None, **kwargs) -> Gen:
-    """A double-quoted string of word characters and spaces (SGLang's REGEX_STR)."""
-    return gen(name, regex=REGEX_STR, **kwargs)
+def gen_string(name: str | None = None, max_tokens: int | None = None, n: int | None = None,
+               stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
+               stop_regex: str | list[str] | None = None, temperature: float | None = None,
+               top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+               frequency_penalty: float | None = None, presence_penalty: float | None = None,
+               ignore_eos: bool | None = None, return_logprob: bool | None = None,
+               logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
+               return_text_in_logprobs: bool | None = None, **kwargs: Any) -> Gen:
+    """`gen(dtype=str)`: a double-quoted string of word characters and blanks (SGLang's REGEX_STR)."""
+    return gen(name, max_tokens, None, n, stop, stop_token_ids, stop_regex, temperature, top_p, top_k, min_p,
+               frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len,
+               top_logprobs_num, return_text_in_logprobs, dtype=str, **kwargs)
 
 
-def select(name: str | None = None, choices: list[str] | None = None,
-           choices_method: str = token_length_normalized, temperature: float = 0.0) -> Select:
-    """Pick one of `choices` by its likelihood after the text so far (prefill-only scoring)."""
+def select(name: str | None = None, choices: list[str] | None = None, temperature: float = 0.0,
+           choices_method: Any = token_length_normalized) -> Select:
+    """Pick one of `choices` by its likelihood after the text so far (prefill-only scoring).
+    `choices_method`: a method's name (`token_length_normalized`, `greedy_token_selection`,
+    `unconditional_likelihood_normalized`) or an SGLang-style `ChoicesSamplingMethod` callable."""
     if not choices:
         raise ValueError("select needs a non-empty list of choices")
     return Select(name, list(choices), choices_method, temperature)
 
 
+def image(expr: Any) -> Any:
+    """SGLang's image input: not in plait (its models take text only)."""
+    raise NotImplementedError("sgl.image: plait's models take text only; it has no image input")
+
+
+def video(path: str, num_frames: int) -> Any:
+    """SGLang's video input: not in plait (its models take text only)."""
+    raise NotImplementedError("sgl.video: plait's models take text only; it has no video input")
+
+
+def separate_reasoning(expr: Any = None, model_type: str | None = None) -> ExprList:
+    """Run `expr`, then split each named gen/select in it into its answer (the variable, and the
+    text) and its reasoning (variable `<name>_reasoning_content`), by `model_type`'s think markers
+    (SGLang's reasoning-parser names: 'deepseek-r1', 'qwen3', 'kimi', ...)."""
+    think_format(model_type)          # an unknown model_type fails here, where it is written
+    if _has_unnamed_output(expr):
+        raise ValueError("name must be provided: separate_reasoning needs named gen/select")
+    return ExprList([expr, SeparateReasoning(model_type, expr)])
+
+
+def _has_unnamed_output(expr: Any) -> bool:
+    if isinstance(expr, (Gen, Select)):
+        return expr.name is None
+    if isinstance(expr, ExprList):
+        return any(_has_unnamed_output(it) for it in expr.items)
+    if isinstance(expr, Role):
+        return _has_unnamed_output(expr.content)
+    return False
+
+
 def system(expr: Any = None) -> Role:
+    """A system message (its content: `expr`)."""
     return Role("system", expr)
 
 
 def user(expr: Any = None) -> Role:
+    """A user message (its content: `expr`)."""
     return Role("user", expr)
 
 
 def assistant(expr: Any = None) -> Role:
+    """An assistant message (its content: `expr`, usually a gen)."""
     return Role("assistant", expr)
 
 
@@ -132,39 +250,57 @@ def assistant_end() -> RoleEnd:
     return RoleEnd("assistant")
 
 
-def flush_cache(backend: Any = None) -> None:
-    _resolve_backend(backend).flush_cache()
+def flush_cache(backend: Any = None) -> Any:
+    """Empty the backend's prefix cache (False when there is no backend, as in SGLang)."""
+    if backend is None and _default_backend is None:
+        return False
+    return _resolve_backend(backend).flush_cache()
 
 
-def get_server_info(backend: Any = None) -> dict:
+def get_server_info(backend: Any = None) -> dict | None:
+    """The backend's server info (None when there is no backend, as in SGLang)."""
+    if backend is None and _default_backend is None:
+        return None
     return _resolve_backend(backend).get_server_info()
 
 
+def Runtime(*args: Any, **kwargs: Any) -> Any:   # noqa: N802 - SGLang's name
+    """SGLang's server-in-a-subprocess handle: not in plait."""
+    raise NotImplementedError("sgl.Runtime: plait does not start a server for a program; run "
+                              "`plait serve --model ...` and use plait.RuntimeEndpoint(url), or plait.Engine(...) "
+                              "in process")
+
+
 # --- programs --------------------------------------------------------------------------------------
-_DEFAULTS = dict(max_new_tokens=128, stop=None, stop_token_ids=None, temperature=1.0, top_p=1.0, top_k=-1,
-                 min_p=0.0, frequency_penalty=0.0, presence_penalty=0.0, ignore_eos=False, seed=None,
-                 return_logprob=None, logprob_start_len=None, top_logprobs_num=None,
+# run()'s sampling settings and their defaults: SGLang's (SglFunction.run), plus plait's `seed`.
+_DEFAULTS = dict(max_new_tokens=128, n=1, stop=None, stop_token_ids=None, stop_regex=None, temperature=1.0,
+                 top_p=1.0, top_k=-1, min_p=0.0, frequency_penalty=0.0, presence_penalty=0.0, ignore_eos=False,
+                 seed=None, return_logprob=None, logprob_start_len=None, top_logprobs_num=None,
                  return_text_in_logprobs=None)
 _LOGPROB = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
 
 
 class Function:
-    """A program: `@plait.function def prog(s, ...)`; run it with `prog.run(...)` or `run_batch`."""
+    """A program: `@plait.function def prog(s, ...)`; run it with `prog.run(...)` or `run_batch`.
+    `num_api_spec_tokens`: API speculation (see `plait.frontend.speculation`)."""
 
-    def __init__(self, func: Callable, bind_arguments: dict | None = None):
+    def __init__(self, func: Callable, num_api_spec_tokens: int | None = None, bind_arguments: dict | None = None):
         self.func = func
+        self.num_api_spec_tokens = num_api_spec_tokens
         self.bind_arguments = dict(bind_arguments or {})
-        params = list(inspect.signature(func).parameters)
+        params = list(inspect.signature(func).parameters.values())
         if not params:
             raise TypeError("a plait function takes the state as its first argument")
-        self.arg_names = params[1:]
+        self.arg_names = [p.name for p in params[1:]]
+        self.arg_defaults = [p.default for p in params[1:] if p.default is not p.empty]
         functools.update_wrapper(self, func)
 
     def bind(self, **kwargs) -> "Function":
+        """The same program with some arguments fixed."""
         unknown = set(kwargs) - set(self.arg_names)
         if unknown and not any(p.kind == p.VAR_KEYWORD for p in inspect.signature(self.func).parameters.values()):
             raise TypeError(f"{self.func.__name__}() has no arguments {sorted(unknown)}")
-        return Function(self.func, {**self.bind_arguments, **kwargs})
+        return Function(self.func, self.num_api_spec_tokens, {**self.bind_arguments, **kwargs})
 
     @staticmethod
     def _settings(kwargs: dict) -> tuple[dict, dict, dict]:
@@ -172,7 +308,7 @@ class Function:
         kwargs = dict(kwargs)
         kwargs.pop("use_thread", None)       # SGLang's flag: states always run on their own thread here
         if "max_tokens" in kwargs and "max_tokens" not in _DEFAULTS:   # gen's spelling, also accepted here
-            kwargs.setdefault("max_new_tokens", kwargs.pop("max_tokens"))
+            kwargs["max_new_tokens"] = kwargs.pop("max_tokens")
         given = {k: kwargs.pop(k) for k in list(kwargs) if k in _DEFAULTS}
         sampling = {k: v for k, v in given.items() if k not in _LOGPROB}
         logprob = {k: v for k, v in given.items() if k in _LOGPROB}
@@ -183,10 +319,18 @@ class Function:
         sampling, logprob, rest = self._settings(kwargs)
         sampling = {**{k: v for k, v in _DEFAULTS.items() if k not in _LOGPROB}, **sampling}
         logprob = {**{k: _DEFAULTS[k] for k in _LOGPROB}, **logprob}
+        # the detokenizer's settings go only where they differ from every server's default
+        if not global_config.skip_special_tokens_in_output:
+            sampling["skip_special_tokens"] = False
+        if not global_config.spaces_between_special_tokens_in_out:
+            sampling["spaces_between_special_tokens"] = False
         return sampling, logprob, rest
 
     def _new_state(self, backend, sampling, logprob, stream) -> ProgramState:
-        return ProgramState(StreamExecutor(backend, sampling, logprob, stream))
+        if stream and self.num_api_spec_tokens:
+            raise NotImplementedError("stream=True with num_api_spec_tokens: API speculation writes several "
+                                      "gens at once, so it does not stream (as in SGLang)")
+        return ProgramState(StreamExecutor(backend, sampling, logprob, stream, self.num_api_spec_tokens))
 
     def _body(self, state: Any, args: tuple, kwargs: dict) -> Any:
         """Run the Python body on `state` (this thread), as the innermost running program."""
@@ -214,16 +358,28 @@ class Function:
         t.start()
         return t
 
-    def run(self, *args, stream: bool = False, backend: Any = None, **kwargs) -> ProgramState:
+    def run(self, *args, max_new_tokens: int = 128, n: int = 1, stop: str | list[str] | None = None,
+            stop_token_ids: list[int] | None = None, stop_regex: str | list[str] | None = None,
+            temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0,
+            frequency_penalty: float = 0.0, presence_penalty: float = 0.0, ignore_eos: bool = False,
+            return_logprob: bool | None = None, logprob_start_len: int | None = None,
+            top_logprobs_num: int | None = None, return_text_in_logprobs: bool | None = None,
+            stream: bool = False, backend: Any = None, use_thread: bool = True, **kwargs) -> ProgramState:
         """Run once; returns the state when done (or at once with `stream=True`: read it with
-        `state.text_iter()`). Errors, the program's own or a backend's, are raised."""
-        sampling, logprob, kwargs = self._split(kwargs)
+        `state.text_iter()`). Errors, the program's own or a backend's, are raised. The settings
+        are every gen's defaults (SGLang's); `kwargs` are the program's arguments, and plait's
+        `seed` / `max_tokens`. `use_thread` is accepted: a plait state always runs on a thread."""
+        settings = {k: v for k, v in locals().items() if k in _DEFAULTS}   # the settings above
+        sampling, logprob, kwargs = self._split({**settings, **kwargs})
         state = self._new_state(_resolve_backend(backend), sampling, logprob, stream)
         if stream:      # the body runs on its own thread, so it may read its own variables
             self._start(state, args, kwargs)
             return state
         self._execute(state, args, kwargs)
-        return _finished(state)
+        state = _finished(state)
+        if global_config.verbosity >= 2:
+            print(state.text())
+        return state
 
     async def run_async(self, *args, stream: bool = False, backend: Any = None, **kwargs) -> ProgramState:
         """`run` for asyncio: awaits the program without blocking the event loop (its body and its
@@ -237,40 +393,83 @@ class Function:
         await state.wait_async()
         return _finished(state)
 
-    def run_batch(self, batch_kwargs: list[dict], *, backend: Any = None, num_threads: int | str = "auto",
-                  progress_bar: bool = False, **kwargs) -> list[ProgramState]:
-        """Run the program once per dict of arguments, concurrently on `num_threads` threads. A
-        program that fails keeps its error in its own state (`state.error()`); the others go on.
-        As in SGLang, the program's constant prefix is sent once first, so the batch shares it."""
-        sampling, logprob, rest = self._split(dict(kwargs))
+    def run_batch(self, batch_kwargs: list[dict] | list[tuple], *, max_new_tokens: int = 128, n: int = 1,
+                  stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
+                  stop_regex: str | list[str] | None = None, temperature: float = 1.0, top_p: float = 1.0,
+                  top_k: int = -1, min_p: float = 0.0, frequency_penalty: float = 0.0,
+                  presence_penalty: float = 0.0, ignore_eos: bool = False, return_logprob: bool | None = None,
+                  logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
+                  return_text_in_logprobs: bool | None = None, backend: Any = None,
+                  num_threads: int | str = "auto", progress_bar: bool = False, generator_style: bool = False,
+                  **kwargs) -> list[ProgramState] | Iterator[ProgramState]:
+        """Run the program once per item of `batch_kwargs` (a dict of arguments, or a tuple of them in
+        order), concurrently on `num_threads` threads; the states in order, as a list or (with
+        `generator_style`) as an iterator that yields each as soon as it and those before it are
+        done. A program that fails keeps its error in its own state (`state.error()`); the others
+        go on. As in SGLang, the program's constant prefix is sent once first, so the batch shares
+        it. `kwargs`: plait's `seed` / `max_tokens`."""
+        settings = {k: v for k, v in locals().items() if k in _DEFAULTS}   # the settings above
+        sampling, logprob, rest = self._split({**settings, **kwargs})
         if rest:
             raise TypeError(f"run_batch got unexpected arguments {sorted(rest)}; program arguments go in batch_kwargs")
-        be = _resolve_backend(backend)
+        batch = self._batch_arguments(batch_kwargs)
+        be = _resolve_backend(backend) if batch else None
         if num_threads == "auto":
-            num_threads = max(1, min(len(batch_kwargs), 64, 4 * (os.cpu_count() or 1) + 8))
-        if len(batch_kwargs) > 1:
+            num_threads = max(1, min(len(batch), 64, 4 * (os.cpu_count() or 1) + 8))
+        if len(batch) > 1 and global_config.enable_precache_with_tracing:
             self.cache(be)
+        states = self._run_many(be, batch, sampling, logprob, int(num_threads) or 1, progress_bar)
+        return states if generator_style else list(states)
 
+    def _batch_arguments(self, batch_kwargs: list) -> list[dict]:
+        """Each item as a dict of arguments (SGLang also takes tuples of them, in order)."""
+        if not isinstance(batch_kwargs, (list, tuple)):
+            raise TypeError(f"batch_kwargs must be a list, got {type(batch_kwargs).__name__}")
+        if not batch_kwargs or isinstance(batch_kwargs[0], dict):
+            return list(batch_kwargs)
+        names = [n for n in self.arg_names if n not in self.bind_arguments]
+        least = len(names) - len(self.arg_defaults)
+        if not all(isinstance(a, (list, tuple)) and least <= len(a) <= len(names) for a in batch_kwargs):
+            raise TypeError(f"Given arguments mismatch the signature of {self.func.__name__}{tuple(names)}")
+        return [dict(zip(names, a)) for a in batch_kwargs]
+
+    def _run_many(self, be: BaseBackend | None, batch: list[dict], sampling: dict, logprob: dict,
+                  num_threads: int, progress_bar: bool) -> Iterator[ProgramState]:
+        """Run every item on a pool; yield the states in order."""
         def one(args: dict) -> ProgramState:
             state = self._new_state(be, sampling, logprob, False)
             self._execute(state, (), args)
             state.stream_executor.wait_finished()
             return state
 
-        states: list[ProgramState | None] = [None] * len(batch_kwargs)
+        if not batch:
+            return
         bar = None
         if progress_bar:
             from tqdm.auto import tqdm
-            bar = tqdm(total=len(batch_kwargs), desc=self.func.__name__)
-        with cf.ThreadPoolExecutor(max_workers=int(num_threads) or 1) as pool:
-            futures = {pool.submit(one, a): i for i, a in enumerate(batch_kwargs)}
-            for fut in cf.as_completed(futures):
-                states[futures[fut]] = fut.result()
+            bar = tqdm(total=len(batch), desc=self.func.__name__)
+        with cf.ThreadPoolExecutor(max_workers=num_threads) as pool:
+            futures = [pool.submit(one, a) for a in batch]
+            if bar is not None:
+                for fut in futures:
+                    fut.add_done_callback(lambda _: bar.update(1))
+            try:
+                for fut in futures:
+                    yield fut.result()
+            finally:
+                cf.wait(futures)      # the bar's last updates happen before it closes
                 if bar is not None:
-                    bar.update(1)
-        if bar is not None:
-            bar.close()
-        return states  # type: ignore[return-value]
+                    bar.close()
+
+    def trace(self, *, backend: Any = None, **kwargs) -> Any:
+        """SGLang's program tracing into its IR graph: not in plait."""
+        raise NotImplementedError("Function.trace: plait does not build SGLang's traced program graph "
+                                  "(Function.cache() traces the program's constant prefix)")
+
+    def compile(self, *, backend: Any = None) -> Any:
+        """SGLang's compilation of a traced program: not in plait."""
+        raise NotImplementedError("Function.compile: plait runs programs as they are written; it has no "
+                                  "compiler for SGLang's traced program graph")
 
     def cache(self, backend: Any = None) -> None:
         """Warm the cache with the program's constant prefix: the text before the first call
@@ -365,7 +564,7 @@ class ProgramCall(Call):
             self._own = True
             self._state = ProgramState(StreamExecutor(
                 outer.backend, {**outer.default_sampling, **self._sampling},
-                {**outer.default_logprob, **self._logprob}, outer.stream))
+                {**outer.default_logprob, **self._logprob}, outer.stream, self._fn.num_api_spec_tokens))
         self._fn._start(self._state, self._args, self._kwargs)
 
     def _resolve(self) -> ProgramState:
@@ -441,8 +640,10 @@ class _Arg:
     __radd__ = __add__
 
 
-def function(func: Callable | None = None, **_ignored) -> Function | Callable[[Callable], Function]:
-    """Decorator: `@plait.function` (also `@plait.function()`)."""
+def function(func: Callable | None = None,
+             num_api_spec_tokens: int | None = None) -> Function | Callable[[Callable], Function]:
+    """Decorator: `@plait.function`, `@plait.function()` or `@plait.function(num_api_spec_tokens=N)`
+    (API speculation: one call writes N tokens ahead for several gens; see plait.frontend.speculation)."""
     if func is None:
-        return lambda f: Function(f)
-    return Function(func)
+        return lambda f: Function(f, num_api_spec_tokens)
+    return Function(func, num_api_spec_tokens)

@@ -56,8 +56,17 @@ class BaseBackend:
         """Yields (cumulative text, meta_info)."""
         yield self.generate(text, sampling_params, logprob)
 
+    def generate_n(self, text: str, sampling_params: dict, logprob: dict | None = None) -> list[tuple[str, dict]]:
+        """`sampling_params["n"]` samples of one continuation, as (text, meta_info) pairs. This
+        default makes one call per sample (seeds, if given, differ by one between samples)."""
+        return [self.generate(text, _one_of_n(sampling_params, i), logprob) for i in range(_n(sampling_params))]
+
     def chat(self, messages: list[dict], sampling_params: dict) -> tuple[str, dict]:
         raise NotImplementedError(f"{type(self).__name__} is not a chat backend")
+
+    def chat_n(self, messages: list[dict], sampling_params: dict) -> list[tuple[str, dict]]:
+        """`chat` for `sampling_params["n"]` samples; by default one call per sample."""
+        return [self.chat(messages, _one_of_n(sampling_params, i)) for i in range(_n(sampling_params))]
 
     def score_choices(self, prefix: str, choices: list[str], unconditional: bool = False) -> dict:
         raise NotImplementedError(f"{type(self).__name__} cannot score choices by logprobs; "
@@ -74,6 +83,18 @@ class BaseBackend:
 
     def shutdown(self) -> None:
         pass
+
+
+def _n(sampling_params: dict) -> int:
+    return int(sampling_params.get("n") or 1)
+
+
+def _one_of_n(sampling_params: dict, i: int) -> dict:
+    """The settings of sample i of n made one call at a time."""
+    sp = {**sampling_params, "n": 1}
+    if sp.get("seed") is not None:
+        sp["seed"] += i
+    return sp
 
 
 def _check(out: Any) -> Any:
@@ -110,6 +131,12 @@ class _NativeBackend(BaseBackend):
         for out in self._post_stream(self._payload(text, sampling_params, logprob, stream=True)):
             _check(out)
             yield out["text"], out["meta_info"]
+
+    def generate_n(self, text, sampling_params, logprob=None):
+        """One request with n: the samples share the prompt's KV cache."""
+        outs = _check(self._post(self._payload(text, sampling_params, logprob)))
+        outs = outs if isinstance(outs, list) else [outs]
+        return [(o["text"], o["meta_info"]) for o in outs]
 
     def cache_prefix(self, text: str) -> None:
         if text:
@@ -191,10 +218,10 @@ def _error_message(resp) -> str:
 
 
 class _HTTP:
-    def __init__(self, base_url: str, api_key: str | None, timeout: float | None):
+    def __init__(self, base_url: str, api_key: str | None, timeout: float | None, verify: Any = True):
         import httpx
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.Client(base_url=base_url.rstrip("/"), headers=headers,
+        self.client = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, verify=verify,
                                    timeout=httpx.Timeout(timeout, connect=30.0))
 
     def request(self, method: str, path: str, body: Any = None) -> Any:
@@ -221,13 +248,16 @@ class _HTTP:
 
 
 class RuntimeEndpoint(_NativeBackend):
-    """A plait (or SGLang-compatible) server at `base_url`, over the native protocol."""
+    """A plait (or SGLang-compatible) server at `base_url`, over the native protocol. `verify`:
+    TLS certificate checking, as in requests/httpx (None: on; False: off; a CA bundle path)."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, chat_template: str | ChatTemplate | None = None,
-                 chat_template_name: str | None = None, timeout: float | None = 600.0):
+    def __init__(self, base_url: str, api_key: str | None = None, verify: Any = None,
+                 chat_template_name: str | None = None, *, chat_template: str | ChatTemplate | None = None,
+                 timeout: float | None = 600.0):
         super().__init__(chat_template or chat_template_name)
         self.base_url = base_url.rstrip("/")
-        self._http = _HTTP(self.base_url, api_key, timeout)
+        self.verify = verify
+        self._http = _HTTP(self.base_url, api_key, timeout, verify=True if verify is None else verify)
         self.model_info = self._http.request("GET", "/get_model_info")
 
     def _derive_template(self) -> ChatTemplate:
@@ -282,7 +312,7 @@ class OpenAIBackend(BaseBackend):
         body: dict[str, Any] = {"model": self.model}
         mapping = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
                    "stop": "stop", "frequency_penalty": "frequency_penalty",
-                   "presence_penalty": "presence_penalty", "seed": "seed"}
+                   "presence_penalty": "presence_penalty", "seed": "seed", "n": "n"}
         for k, v in mapping.items():
             if sp.get(k) is not None:
                 body[v] = sp[k]
@@ -292,14 +322,28 @@ class OpenAIBackend(BaseBackend):
         return body
 
     def chat(self, messages, sampling_params):
+        return self._chat(messages, {**sampling_params, "n": 1})[0]
+
+    def chat_n(self, messages, sampling_params):
+        """One chat completion with `n` choices."""
+        return self._chat(messages, sampling_params)
+
+    def generate(self, text, sampling_params, logprob=None):
+        return self._complete(text, {**sampling_params, "n": 1}, logprob)[0]
+
+    def generate_n(self, text, sampling_params, logprob=None):
+        """One text completion with `n` choices."""
+        return self._complete(text, sampling_params, logprob)
+
+    def _chat(self, messages: list[dict], sampling_params: dict) -> list[tuple[str, dict]]:
         body = self._body(sampling_params)
         body["messages"] = messages
         out = self._http.request("POST", "/chat/completions", body)
-        choice = out["choices"][0]
-        return choice["message"].get("content") or "", {"finish_reason": choice.get("finish_reason"),
-                                                        "usage": out.get("usage")}
+        return [(c["message"].get("content") or "", {"finish_reason": c.get("finish_reason"),
+                                                     "usage": out.get("usage")})
+                for c in _in_order(out["choices"])]
 
-    def generate(self, text, sampling_params, logprob=None):
+    def _complete(self, text: str, sampling_params: dict, logprob: dict | None) -> list[tuple[str, dict]]:
         if logprob and logprob.get("return_logprob"):
             raise NotImplementedError("OpenAIBackend does not return logprobs to programs")
         body = self._body(sampling_params)
@@ -307,14 +351,19 @@ class OpenAIBackend(BaseBackend):
             raise NotImplementedError("OpenAIBackend supports json_schema only inside an assistant role (chat)")
         body["prompt"] = text
         out = self._http.request("POST", "/completions", body)
-        choice = out["choices"][0]
-        return choice["text"], {"finish_reason": choice.get("finish_reason"), "usage": out.get("usage")}
+        return [(c["text"], {"finish_reason": c.get("finish_reason"), "usage": out.get("usage")})
+                for c in _in_order(out["choices"])]
 
     def get_model_name(self) -> str:
         return self.model
 
     def shutdown(self) -> None:
         self._http.client.close()
+
+
+def _in_order(choices: list[dict]) -> list[dict]:
+    """An OpenAI response's choices by their index (a server may list them as they finish)."""
+    return sorted(choices, key=lambda c: c.get("index", 0))
 
 
 _wrapped: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

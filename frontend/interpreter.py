@@ -7,12 +7,13 @@ runs the body, so readers elsewhere wait for the body to finish submitting befor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import queue
 import threading
 from typing import Any, AsyncIterator, Callable, Iterator
 
-from . import context
+from . import context, stopping
 from .backends import BaseBackend
 from .ir import (
     Call,
@@ -23,10 +24,13 @@ from .ir import (
     RoleBegin,
     RoleEnd,
     Select,
+    SeparateReasoning,
     VarScopeBegin,
     VarScopeEnd,
     contains_call,
 )
+from .reasoning import split_reasoning, think_format
+from .speculation import ChatSpeculation, CompletionSpeculation, stop_list
 
 CHOICES_METHODS = ("token_length_normalized", "greedy_token", "unconditional_likelihood_normalized")
 
@@ -36,8 +40,10 @@ class ProgramError(RuntimeError):
 
 
 class StreamExecutor:
+    """Runs one state's expressions, in order, on a thread of its own."""
+
     def __init__(self, backend: BaseBackend, default_sampling: dict, default_logprob: dict,
-                 stream: bool = False):
+                 stream: bool = False, num_api_spec_tokens: int | None = None):
         self.backend = backend
         self.chat_template = backend.get_chat_template()
         self.default_sampling = default_sampling
@@ -51,6 +57,10 @@ class StreamExecutor:
         self.cur_role: str | None = None
         self.cur_role_begin_pos = 0
         self.var_scopes: dict[str, int] = {}
+        self.var_spans: dict[str, tuple[int, int]] = {}     # where each gen/select's text lies in text_
+        self.num_api_spec_tokens = num_api_spec_tokens
+        self._spec = CompletionSpeculation(num_api_spec_tokens) if num_api_spec_tokens else None
+        self._chat_spec: ChatSpeculation | None = None      # an assistant role held for one chat call
         self.error_: BaseException | None = None
         self.children: list[StreamExecutor] = []
         self._defaults_stack: list[tuple[dict, dict]] = []   # nested calls' own sampling settings
@@ -62,15 +72,27 @@ class StreamExecutor:
         self._cond = threading.Condition()
         self._events: list[tuple[str | None, str | None]] = []   # (var or None, piece) for text_iter
         self._finished = threading.Event()
+        self._ended = False                                  # end() queued the last item
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._worker, daemon=True, name="plait-executor")
         self._thread.start()
 
     # --- queue ------------------------------------------------------------------------------------
     def submit(self, expr: Any) -> None:
-        if self._finished.is_set():
-            raise RuntimeError("this program state has finished; it takes no more expressions")
-        self._queue.put(expr)
+        with self._lock:
+            if self._ended:
+                raise RuntimeError("this program state has finished; it takes no more expressions")
+            self._queue.put(expr)
+
+    def assign(self, name: str, value: Any) -> None:
+        """`state[name] = value`: in order with the expressions before it while the program runs;
+        once the program has ended, at once (as SGLang sets it), e.g. to convert a result."""
+        with self._lock:
+            if not self._ended:
+                self._queue.put(lambda ex: ex.set_var(name, value))
+                return
+        self.wait_finished()
+        self.set_var(name, value)
 
     def sync(self) -> None:
         """Wait until everything submitted ran (and, from another thread, until the body ended)."""
@@ -142,7 +164,10 @@ class StreamExecutor:
 
     def end(self) -> None:
         """No more expressions: the thread exits once the queue is drained (children end too)."""
-        if not self._finished.is_set():
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
             self._queue.put(None)
 
     def wait_finished(self, timeout: float | None = None) -> bool:
@@ -192,9 +217,13 @@ class StreamExecutor:
             raise ProgramError(f"the program failed: {type(self.error_).__name__}: {self.error_}") from self.error_
 
     # --- text -------------------------------------------------------------------------------------
-    def append_text(self, piece: str, var: str | None = None) -> None:
+    def append_text(self, piece: str, var: str | None = None, keep_speculation: bool = False) -> None:
+        """Append to the text (and the stream). Text that API speculation did not account for
+        (`keep_speculation=False`) drops what it wrote ahead."""
         if not piece:
             return
+        if self._spec is not None and not keep_speculation:
+            self._spec.reset()
         self.text_ += piece
         if self.stream:
             with self._cond:
@@ -273,8 +302,10 @@ class StreamExecutor:
 
     # --- execution --------------------------------------------------------------------------------
     def _execute(self, expr: Any) -> None:
+        if self._chat_spec is not None and self._hold(expr):
+            return
         if isinstance(expr, str):
-            self.append_text(expr)
+            self._fill(expr)
         elif isinstance(expr, ExprList):
             for item in expr.items:
                 self._execute(item)
@@ -288,36 +319,90 @@ class StreamExecutor:
                 self._execute(expr.content)
             self._execute(RoleEnd(expr.role))
         elif isinstance(expr, RoleBegin):
-            if self.cur_role is not None:
-                raise ValueError(f"role {expr.role!r} begins inside role {self.cur_role!r}")
-            prefix, _ = self.chat_template.get_prefix_and_suffix(expr.role, first_message=not self.messages_)
-            self.append_text(prefix)
-            self.cur_role, self.cur_role_begin_pos = expr.role, len(self.text_)
+            self._role_begin(expr.role)
         elif isinstance(expr, RoleEnd):
-            if self.cur_role != expr.role:
-                raise ValueError(f"role {expr.role!r} ends but the open role is {self.cur_role!r}")
-            content = self.text_[self.cur_role_begin_pos:]
-            _, suffix = self.chat_template.get_prefix_and_suffix(expr.role)
-            self.append_text(suffix)
-            self.messages_.append({"role": expr.role, "content": content})
-            self.cur_role = None
+            self._role_end(expr.role)
         elif isinstance(expr, VarScopeBegin):
             self.var_scopes[expr.name] = len(self.text_)
         elif isinstance(expr, VarScopeEnd):
             self.set_var(expr.name, self.text_[self.var_scopes.pop(expr.name):])
+        elif isinstance(expr, SeparateReasoning):
+            self._separate_reasoning(expr)
         elif isinstance(expr, ProgramState):
             self._splice(expr.stream_executor)
         elif callable(expr):          # internal ops (join, nested calls' settings)
             expr(self)
         elif isinstance(expr, (int, float)):
-            self.append_text(str(expr))
+            self._fill(str(expr))
         else:
             raise TypeError(f"cannot append {type(expr).__name__} to a program state")
 
+    def _fill(self, piece: str) -> None:
+        """Constant text: it consumes what API speculation wrote ahead if it is the same."""
+        if self._spec is not None:
+            self._spec.fill(piece)
+        self.append_text(piece, keep_speculation=True)
+
+    def _role_begin(self, role: str) -> None:
+        if self.cur_role is not None:
+            raise ValueError(f"role {role!r} begins inside role {self.cur_role!r}")
+        prefix, _ = self.chat_template.get_prefix_and_suffix(role, first_message=not self.messages_)
+        self._fill(prefix)
+        self.cur_role, self.cur_role_begin_pos = role, len(self.text_)
+        if role == "assistant" and self.num_api_spec_tokens and self.backend.is_chat_model:
+            self._chat_spec = ChatSpeculation(self.num_api_spec_tokens)
+
+    def _role_end(self, role: str) -> None:
+        if self.cur_role != role:
+            raise ValueError(f"role {role!r} ends but the open role is {self.cur_role!r}")
+        if self._chat_spec is not None:
+            self._release_chat_speculation()
+        content = self.text_[self.cur_role_begin_pos:]
+        _, suffix = self.chat_template.get_prefix_and_suffix(role)
+        self._fill(suffix)
+        self.messages_.append({"role": role, "content": content})
+        self.cur_role = None
+
+    # --- API speculation in a chat assistant role ---------------------------------------------------
+    def _hold(self, expr: Any) -> bool:
+        """Inside an assistant role held for one chat call: keep `expr` for the role's end
+        (True), or let it run now (False: lists, roles, internal ops)."""
+        spec = self._chat_spec
+        if isinstance(expr, (str, int, float)):
+            spec.add_fill(str(expr))
+        elif isinstance(expr, Gen) and expr.params.get("choices") is None:
+            spec.add_gen(expr, self._sampling(expr)[0])
+        elif isinstance(expr, (Select, Gen)):
+            raise NotImplementedError("select inside an assistant role with num_api_spec_tokens on a chat "
+                                      "backend: a chat API gives no choice logprobs")
+        elif isinstance(expr, (VarScopeBegin, VarScopeEnd, SeparateReasoning, ProgramState)):
+            spec.add_expr(expr)
+        else:
+            return False
+        return True
+
+    def _release_chat_speculation(self) -> None:
+        """The held role's one chat call, then its text, variables and other expressions in order."""
+        spec, self._chat_spec = self._chat_spec, None
+        messages = list(self.messages_)
+        for item in spec.resolve(lambda sp: self.backend.chat(messages, sp)):
+            if item[0] == "fill":
+                self._fill(item[1])
+            elif item[0] == "value":
+                _, gen, value, meta = item
+                start = len(self.text_)
+                self.append_text(value, gen.name)
+                self._record(gen.name, value, meta, start)
+            else:
+                self._execute(item[1])
+
+    # --- gen ----------------------------------------------------------------------------------------
     def _sampling(self, gen: Gen) -> tuple[dict, dict]:
         sp = dict(self.default_sampling)
         sp.update({k: v for k, v in gen.params.items() if v is not None})
         sp = {k: v for k, v in sp.items() if v is not None}
+        if gen.extra_stop:
+            sp["stop"] = stop_list(sp.get("stop")) + list(gen.extra_stop)
         lp = dict(self.default_logprob)
         lp.update({k: v for k, v in gen.logprob.items() if v is not None})
         return sp, {k: v for k, v in lp.items() if v is not None}
@@ -328,36 +413,89 @@ class StreamExecutor:
             return
         sp, lp = self._sampling(gen)
         sp.pop("choices", None)
-        name = gen.name
-        chat_turn = (self.backend.is_chat_model and self.cur_role == "assistant"
-                     and self.cur_role_begin_pos == len(self.text_))
-        if chat_turn:
-            text, meta = self.backend.chat(list(self.messages_), sp)
-            self.append_text(text, name)
-        elif self.stream:
-            text, meta = "", {}
-            for cumulative, meta in self.backend.generate_stream(self.text_, sp, lp):
+        start = len(self.text_)
+        if (sp.get("n") or 1) > 1:
+            value, meta = self._gen_n(sp, lp)
+            self.append_text(value[0], gen.name)    # the text goes on with the first sample (SGLang)
+        elif self._spec is not None and self._spec.serves(sp):
+            value, meta = self._spec.take(self.text_, sp, lp, self.backend.generate)
+            self.append_text(value, gen.name, keep_speculation=True)
+        else:
+            value, meta = self._gen_one(gen.name, sp, lp)
+        self._record(gen.name, value, meta, start)
+
+    def _chat_turn(self) -> bool:
+        """Whether a gen here is a chat backend's whole assistant reply (not a continuation)."""
+        return (self.backend.is_chat_model and self.cur_role == "assistant"
+                and self.cur_role_begin_pos == len(self.text_))
+
+    def _gen_one(self, name: str | None, sp: dict, lp: dict) -> tuple[str, dict]:
+        """One sample, appended to the text as it comes (streamed, or where stop_regex applies)."""
+        regexes = stopping.patterns(sp.get("stop_regex"))
+        if self._chat_turn():
+            text, meta = stopping.cut(*self.backend.chat(list(self.messages_), sp), regexes)
+        elif self.stream or regexes:
+            return self._gen_streamed(name, sp, lp, regexes)
+        else:
+            text, meta = self.backend.generate(self.text_, sp, lp)
+        self.append_text(text, name)
+        return text, meta
+
+    def _gen_streamed(self, name: str | None, sp: dict, lp: dict, regexes: list[str]) -> tuple[str, dict]:
+        """Stream one sample into the text; stop reading (which aborts the request) where a
+        stop_regex pattern first matches."""
+        text, meta = "", {}
+        with contextlib.closing(self.backend.generate_stream(self.text_, sp, lp)) as pieces:
+            for cumulative, meta in pieces:
+                found = stopping.first_match_end(cumulative, regexes, since=len(text)) if regexes else None
+                if found is not None:
+                    cumulative, meta = cumulative[:found[0]], stopping.matched(meta, found[1])
                 if name is not None:
                     self.meta_info[name] = meta      # what text_async_iter(return_meta_data) reports
                 self.append_text(cumulative[len(text):], name)
                 text = cumulative
-        else:
-            text, meta = self.backend.generate(self.text_, sp, lp)
-            self.append_text(text, name)
-        if name is not None:
-            self.set_var(name, text, meta)
-            self._var_done(name)
+                if found is not None:
+                    break
+        return text, meta
 
+    def _gen_n(self, sp: dict, lp: dict) -> tuple[list[str], list[dict]]:
+        """n samples of one gen, in one request where the backend can (they share the prompt's KV)."""
+        regexes = stopping.patterns(sp.get("stop_regex"))
+        if self._chat_turn():
+            outs = self.backend.chat_n(list(self.messages_), sp)
+        else:
+            outs = self.backend.generate_n(self.text_, sp, lp)
+        outs = [stopping.cut(text, meta, regexes) for text, meta in outs]
+        return [t for t, _ in outs], [m for _, m in outs]
+
+    def _record(self, name: str | None, value: Any, meta: Any, start: int) -> None:
+        """A gen or select that wrote text_[start:] sets its variable (if named)."""
+        if name is None:
+            return
+        self.var_spans[name] = (start, len(self.text_))
+        self.set_var(name, value, meta)
+        self._var_done(name)
+
+    # --- select -------------------------------------------------------------------------------------
     def _select(self, sel: Select) -> None:
-        method = sel.choices_method or "token_length_normalized"
-        method = {"greedy_token_selection": "greedy_token"}.get(method, method)
-        if method not in CHOICES_METHODS:
-            raise ValueError(f"unknown choices_method {method!r}; use one of {CHOICES_METHODS}")
         if not sel.choices:
             raise ValueError("select needs at least one choice")
         if not self.backend.supports_logprobs:
             raise NotImplementedError(f"{type(self.backend).__name__} cannot select by logprobs "
                                       "(use a native backend: RuntimeEndpoint or EngineBackend)")
+        method = sel.choices_method or "token_length_normalized"
+        if callable(method):
+            choice, meta = self._select_by_callable(sel, method)
+        else:
+            choice, meta = self._select_by_name(sel, method)
+        start = len(self.text_)
+        self.append_text(choice, sel.name)
+        self._record(sel.name, choice, meta, start)
+
+    def _select_by_name(self, sel: Select, method: str) -> tuple[str, dict]:
+        method = {"greedy_token_selection": "greedy_token"}.get(method, method)
+        if method not in CHOICES_METHODS:
+            raise ValueError(f"unknown choices_method {method!r}; use one of {CHOICES_METHODS}")
         res = self.backend.score_choices(self.text_, list(sel.choices),
                                          unconditional=method == "unconditional_likelihood_normalized")
         lps = [[t[0] for t in triples if t[0] is not None] for triples in res["input_token_logprobs"]]
@@ -374,15 +512,51 @@ class StreamExecutor:
             unc = [[t[0] for t in triples if t[0] is not None] for triples in res["unconditional_token_logprobs"]]
             scores = [(sum(c) - sum(u)) / len(c) if c else -math.inf for c, u in zip(lps, unc)]
             best = max(range(len(scores)), key=scores.__getitem__)
-        choice = sel.choices[best]
-        self.append_text(choice, sel.name)
-        if sel.name is not None:
-            meta = {"normalized_prompt_logprobs": normalized, "scores": scores, "choices_method": method,
-                    "input_token_logprobs": res["input_token_logprobs"], "output_token_logprobs": [[]] * len(lps)}
-            if "unconditional_token_logprobs" in res:
-                meta["unconditional_token_logprobs"] = res["unconditional_token_logprobs"]
-            self.set_var(sel.name, choice, meta)
-            self._var_done(sel.name)
+        meta = {"normalized_prompt_logprobs": normalized, "scores": scores, "choices_method": method,
+                "input_token_logprobs": res["input_token_logprobs"], "output_token_logprobs": [[]] * len(lps)}
+        if "unconditional_token_logprobs" in res:
+            meta["unconditional_token_logprobs"] = res["unconditional_token_logprobs"]
+        return sel.choices[best], meta
+
+    def _select_by_callable(self, sel: Select, method: Callable) -> tuple[str, dict]:
+        """An SGLang-style choices method: called with the choices' logprobs, it returns an object
+        with `decision` and `meta_info` (sglang.lang.choices.ChoicesDecision)."""
+        unconditional = bool(getattr(method, "requires_unconditional_logprobs", False))
+        res = self.backend.score_choices(self.text_, list(sel.choices), unconditional=unconditional)
+        lps = [[t[0] for t in triples if t[0] is not None] for triples in res["input_token_logprobs"]]
+        decision = method(choices=list(sel.choices),
+                          normalized_prompt_logprobs=[sum(x) / len(x) if x else -math.inf for x in lps],
+                          input_token_logprobs=res["input_token_logprobs"],
+                          output_token_logprobs=[[]] * len(lps),
+                          unconditional_token_logprobs=res.get("unconditional_token_logprobs"))
+        return decision.decision, dict(decision.meta_info or {})
+
+    # --- separate_reasoning -------------------------------------------------------------------------
+    def _separate_reasoning(self, expr: SeparateReasoning) -> None:
+        """Split each named output of `expr` into answer and reasoning; the text keeps the answer."""
+        fmt = think_format(expr.model_type)
+        names = [n for n in named_outputs(expr.expr) if n in self.variables]
+        for name in sorted(names, key=lambda n: self.var_spans.get(n, (-1, -1))[0], reverse=True):
+            value = self.variables[name]
+            parts = [split_reasoning(v, fmt) for v in (value if isinstance(value, list) else [value])]
+            answers, reasonings = [a for _, a in parts], [r for r, _ in parts]
+            self._replace_span(name, answers[0])
+            many = isinstance(value, list)
+            self.set_var(name, answers if many else answers[0], self.meta_info.get(name))
+            self.set_var(f"{name}_reasoning_content", reasonings if many else reasonings[0])
+
+    def _replace_span(self, name: str, new: str) -> None:
+        """Put `new` where variable `name`'s text is; later positions move with it."""
+        if name not in self.var_spans:
+            return
+        start, end = self.var_spans[name]
+        self.text_ = self.text_[:start] + new + self.text_[end:]
+        delta = len(new) - (end - start)
+        self.var_spans[name] = (start, start + len(new))
+        for other, (a, b) in self.var_spans.items():
+            if other != name and a >= end:
+                self.var_spans[other] = (a + delta, b + delta)
+        self.var_scopes = {k: (p + delta if p >= end else p) for k, p in self.var_scopes.items()}
 
     def _splice(self, other: "StreamExecutor") -> None:
         """`s += state`: another program's text, messages and variables, once it has finished."""
@@ -409,15 +583,28 @@ class StreamExecutor:
         return children
 
 
+def named_outputs(expr: Any) -> list[str]:
+    """The variable names of the gens and selects in `expr` (through lists and roles)."""
+    if isinstance(expr, (Gen, Select)):
+        return [expr.name] if expr.name is not None else []
+    if isinstance(expr, ExprList):
+        return [n for it in expr.items for n in named_outputs(it)]
+    if isinstance(expr, Role):
+        return named_outputs(expr.content)
+    return []
+
+
 class ProgramState:
     """What a program sees as `s`, and what `run` returns."""
 
-    def __init__(self, executor: StreamExecutor):
-        self.stream_executor = executor
+    def __init__(self, stream_executor: StreamExecutor):
+        self.stream_executor = stream_executor
         self._program_error: BaseException | None = None
         self.ret_value: Any = None        # what the program's body returned (SGLang's name)
 
     def __iadd__(self, other: Any) -> "ProgramState":
+        if other is None:     # (None is also the executor's own end-of-program mark)
+            raise ValueError("Tried to append None to state.")
         self._append(other)
         return self
 
@@ -452,6 +639,7 @@ class ProgramState:
         return self._role("assistant", expr)
 
     def var_scope(self, name: str):
+        """`with s.var_scope("v"):` sets variable v to the text appended inside the block."""
         return _VarScope(self, name)
 
     # --- reading ------------------------------------------------------------------------------------
@@ -470,7 +658,8 @@ class ProgramState:
         return self.stream_executor.get_var(name)
 
     def set_var(self, name: str, value: Any) -> None:
-        self.stream_executor.submit(lambda ex: ex.set_var(name, value))
+        """Set a variable: in order with the program while it runs, at once after it has ended."""
+        self.stream_executor.assign(name, value)
 
     def get_meta_info(self, name: str) -> Any:
         self.get_var(name)
@@ -508,9 +697,22 @@ class ProgramState:
         await self.stream_executor.wait_async()
         return self
 
-    def fork(self, size: int = 1) -> "ProgramStateGroup":
+    def fork(self, size: int = 1, position_ids_offset: list[int] | None = None) -> "ProgramStateGroup":
+        """`size` copies of this state that run concurrently until `join()`."""
+        if position_ids_offset is not None:
+            raise NotImplementedError("fork(position_ids_offset=...): plait forks continue the text as "
+                                      "it is; it does not shift the forks' position ids")
         context.start_pending()
-        return ProgramStateGroup([ProgramState(c) for c in self.stream_executor.fork(size)], self)
+        return ProgramStateGroup([ProgramState(c) for c in self.stream_executor.fork(int(size))], self)
+
+    @contextlib.contextmanager
+    def copy(self, position_ids_offset: list[int] | None = None) -> Iterator["ProgramState"]:
+        """`with s.copy() as c:` a fork of one, joined (gather_variable) when the block ends."""
+        group = self.fork(1, position_ids_offset)
+        try:
+            yield group[0]
+        finally:
+            group.join()
 
     def __repr__(self) -> str:
         return f"ProgramState({self.text()!r})"
@@ -541,15 +743,27 @@ class _VarScope:
 
 
 class ProgramStateGroup:
-    """The states made by `s.fork(n)`; they run concurrently until `join`."""
+    """The states made by `s.fork(n)` (from `src_state`); they run concurrently until `join`."""
 
-    def __init__(self, states: list[ProgramState], parent: ProgramState):
-        self.states, self.parent = states, parent
-        self._fork_text_len = len(parent.stream_executor.text_)
-        self._fork_vars = dict(parent.stream_executor.variables)
+    def __init__(self, states: list[ProgramState], src_state: ProgramState | None = None):
+        self.states, self.src_state = states, src_state
+        src = src_state.stream_executor if src_state is not None else None
+        self._fork_text_len = len(src.text_) if src is not None else 0
+        self._fork_vars = dict(src.variables) if src is not None else {}
+
+    @property
+    def parent(self) -> ProgramState | None:
+        """The state the group was forked from (SGLang calls it `src_state`)."""
+        return self.src_state
 
     def __getitem__(self, i: int) -> ProgramState:
         return self.states[i]
+
+    def __setitem__(self, i: int, value: Any) -> None:
+        """What `forks[i] += expr` does after appending to fork i: it puts the same state back;
+        a group's states cannot be replaced."""
+        if value is not self.states[i]:
+            raise TypeError("a fork group's states cannot be replaced; append to them with forks[i] += ...")
 
     def __iter__(self):
         return iter(self.states)
@@ -574,6 +788,8 @@ class ProgramStateGroup:
         list of their values; `concate_and_append` also appends each fork's new text to the parent."""
         if mode not in ("gather_variable", "concate_and_append"):
             raise ValueError(f"unknown join mode {mode!r}")
+        if self.src_state is None:
+            raise ValueError("this group has no source state to join into")
         for st in self.states:
             st.sync()
         execs = [st.stream_executor for st in self.states]
@@ -596,4 +812,4 @@ class ProgramStateGroup:
             for ex in execs:
                 ex.end()
 
-        self.parent.stream_executor.submit(do_join)
+        self.src_state.stream_executor.submit(do_join)

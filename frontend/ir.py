@@ -5,9 +5,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-# Regexes behind gen(dtype=...): the value stays the generated text, as in SGLang.
-REGEX_INT = r"[-+]?[0-9]+"
-REGEX_FLOAT = r"[-+]?[0-9]+(\.[0-9]+)?"
+# Regexes behind gen(dtype=...), SGLang's own: the value stays the generated text. The numbers end
+# in optional blanks because gen(dtype=int|float) also stops at " " and "\n" (as in SGLang): a
+# small model that wants to write "," after a number can end it there instead of adding digits.
+REGEX_INT = r"[-+]?[0-9]+[ \n]*"
+REGEX_FLOAT = r"[-+]?[0-9]*\.?[0-9]+[ \n]*"
 REGEX_BOOL = r"(True|False)"
 REGEX_STR = r"\"[\w\d\s]*\""
 
@@ -38,14 +40,23 @@ class Gen(Expr):
     name: str | None
     params: dict = field(default_factory=dict)       # sampling keys set by the caller (None = default)
     logprob: dict = field(default_factory=dict)      # return_logprob etc.
+    extra_stop: list[str] | None = None              # added to the stop strings in force (gen(dtype=int))
 
 
 @dataclass(eq=False)
 class Select(Expr):
     name: str | None
     choices: list[str]
-    choices_method: str = "token_length_normalized"
+    choices_method: Any = "token_length_normalized"    # a method's name, or an SGLang-style callable
     temperature: float = 0.0
+
+
+@dataclass(eq=False)
+class SeparateReasoning(Expr):
+    """After `expr` ran: split each named gen/select in it into its answer (the variable) and its
+    reasoning (`<name>_reasoning_content`), by the model family's think markers."""
+    model_type: str
+    expr: Any
 
 
 @dataclass(eq=False)

@@ -16,8 +16,9 @@ _FRONTEND = ("function", "gen", "gen_int", "gen_string", "select", "system", "us
              "system_begin", "system_end", "user_begin", "user_end", "assistant_begin", "assistant_end",
              "set_default_backend", "get_default_backend", "flush_cache", "get_server_info",
              "RuntimeEndpoint", "EngineBackend", "OpenAIBackend", "BaseBackend", "BackendError",
-             "ProgramState", "ProgramError", "Function", "ChatTemplate", "get_chat_template",
-             "token_length_normalized", "greedy_token", "greedy_token_selection", "unconditional_likelihood_normalized")
+             "ProgramState", "ProgramStateGroup", "ProgramError", "Function", "ChatTemplate", "get_chat_template",
+             "token_length_normalized", "greedy_token", "greedy_token_selection", "unconditional_likelihood_normalized",
+             "separate_reasoning", "image", "video", "Runtime", "global_config", "GlobalConfig")
 __all__ = ["Engine", "__version__", *_FRONTEND]
 
 
