@@ -22,7 +22,6 @@ backend's business; the guard only chooses among what the backend allows.
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -295,5 +294,5 @@ def guarded(matcher: Matcher, spec, info: "TokenizerInfo", limits: JsonLimits, m
     """`matcher` with the JSON guards when `spec` is a JSON grammar (the matcher itself otherwise)."""
     if spec.kind not in ("json_schema", "json_object"):
         return matcher
-    schema = json.loads(spec.spec) if spec.kind == "json_schema" else None
+    schema = spec.schema() if spec.kind == "json_schema" else None
     return JsonGuard(matcher, guard_tables(info), limits, max_tokens, schema)

@@ -686,30 +686,8 @@ def tool_call_objects(calls: list[dict[str, str]]) -> list[dict[str, Any]]:
             for c in calls]
 
 
+_JSON = json.JSONDecoder()
 _CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
-
-
-def _value_end(text: str, start: int) -> int | None:
-    """Where the JSON object or array at text[start] ends (exclusive); None while it is open."""
-    depth, in_string, escape = 0, False, False
-    for i in range(start, len(text)):
-        c = text[i]
-        if in_string:
-            if escape:
-                escape = False
-            elif c == "\\":
-                escape = True
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
 
 
 def call_pieces(text: str, start: int = 0) -> list[tuple[str, int, int | None]]:
@@ -720,7 +698,10 @@ def call_pieces(text: str, start: int = 0) -> list[tuple[str, int, int | None]]:
     while (m := _CALL_HEAD.search(text, pos)) is not None:
         name = json.loads(f'"{m.group(1)}"')
         args_at = m.end()
-        end = _value_end(text, args_at) if args_at < len(text) and text[args_at] in "{[" else None
+        try:
+            end = _JSON.raw_decode(text, args_at)[1]
+        except ValueError:   # still being written
+            end = None
         out.append((name, args_at, end))
         if end is None:
             break

@@ -111,22 +111,20 @@ class Scheduler:
 
     def _grammars(self):
         if self._grammar_cache is None:
-            from plait.grammar import GrammarCache, make_backend
-            backend = make_backend(self.args.grammar_backend, self.tokenizer, self.runner.vocab_size,
-                                   eos_token_ids=sorted(self.eos_ids))
+            from plait.grammar import GrammarCache, make_backend, tokenizer_info
+            self._grammar_info = tokenizer_info(self.tokenizer, self.runner.vocab_size, sorted(self.eos_ids))
+            backend = make_backend(self.args.grammar_backend, self._grammar_info)
             self._grammar_cache = GrammarCache(backend, compile_timeout_s=self.args.grammar_compile_timeout)
         return self._grammar_cache
 
     def _guarded(self, grammar, params):
         """A matcher of `grammar` for a request, with the JSON length guards where it is JSON."""
-        from plait.grammar import tokenizer_info
         from plait.grammar.json_guard import JsonLimits, guarded
         a = self.args
         limits = JsonLimits(
             a.json_max_number_digits if params.json_max_number_digits is None else params.json_max_number_digits,
             a.json_max_string_length if params.json_max_string_length is None else params.json_max_string_length)
-        info = tokenizer_info(self.tokenizer, self.runner.vocab_size, sorted(self.eos_ids))
-        return guarded(grammar.matcher(), grammar.spec, info, limits, params.max_new_tokens)
+        return guarded(grammar.matcher(), grammar.spec, self._grammar_info, limits, params.max_new_tokens)
 
     def _poll_grammars(self, outputs: list[TokenOutput]) -> None:
         """Move requests whose grammar is ready to the waiting queue; fail those whose compile failed."""

@@ -145,3 +145,19 @@ class SlowBackend(BaseBackend):
         with self.lock:
             self.running -= 1
         return "x", {"finish_reason": {"type": "length"}}
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_path):
+    """The default model in an in-process Engine, shared by a test module."""
+    import plait
+    with plait.Engine(model="smollm2", dtype="float32", max_total_tokens=8192, random_seed=0) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def url(engine):
+    """`engine` behind the HTTP server on loopback (served as "smollm2"); its base URL."""
+    from plait.runtime.http_server import create_app
+    with serve(create_app(engine, served_model_name="smollm2")) as base:
+        yield base

@@ -12,9 +12,6 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-import plait
-from plait.runtime.http_server import create_app
-from conftest import serve
 
 pytestmark = pytest.mark.integration
 
@@ -36,10 +33,8 @@ ASK = [{"role": "user", "content": "Tell me about Paris: its name, country and p
 
 
 @pytest.fixture(scope="module")
-def base_url():
-    with plait.Engine(model="smollm2", dtype="float32", max_total_tokens=8192, random_seed=0) as engine:
-        with serve(create_app(engine, served_model_name="smollm2")) as url:
-            yield url + "/v1"
+def base_url(url):
+    return url + "/v1"
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import pytest
 
 sgl = pytest.importorskip("sglang", reason="sglang frontend not installed (pip install --no-deps sglang==0.5.5)")
 
-import plait  # noqa: E402
 from plait.runtime.http_server import create_app  # noqa: E402
 from conftest import serve  # noqa: E402
 
@@ -22,18 +21,6 @@ pytestmark = pytest.mark.integration
 
 QA_PREFIX = ("You are a concise assistant that answers geography questions with a single word or a "
              "short phrase.\n\n")
-
-
-@pytest.fixture(scope="module")
-def engine(smollm2_path):
-    with plait.Engine(model="smollm2", dtype="float32", max_total_tokens=8192, random_seed=0) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="module")
-def url(engine):
-    with serve(create_app(engine)) as base:
-        yield base
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,6 @@ programs = pytest.importorskip("sglang.test.test_programs",
                                reason="sglang frontend not installed (pip install --no-deps sglang==0.5.5)")
 
 import plait  # noqa: E402
-from plait.runtime.http_server import create_app  # noqa: E402
-from conftest import serve  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -121,18 +119,6 @@ class CappedEndpoint(Capped, plait.RuntimeEndpoint):
 
 class CappedOpenAI(Capped, plait.OpenAIBackend):
     pass
-
-
-@pytest.fixture(scope="module")
-def engine(smollm2_path):
-    with plait.Engine(model="smollm2", dtype="float32", max_total_tokens=8192, random_seed=0) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="module")
-def url(engine):
-    with serve(create_app(engine, served_model_name="smollm2")) as base:
-        yield base
 
 
 @pytest.fixture(params=["engine", "server"])
