@@ -86,8 +86,11 @@ class Recorder:
             assert bool((sg.kv_indices.view(sg.bsz, sg.max_kv)[n:, 0] == PAD_SLOT).all())
             assert bool((static.out_cache_loc[n:] == PAD_SLOT).all())
         eligible = graphs.bucket(batch) if graphs is not None else None
+        pool, loc = self.runner.pool, batch.out_cache_loc
+        written = torch.stack([t[loc] for t in pool.k + pool.v]).cpu()   # this step's K/V, every layer
         self.steps.append({"graph": took, "eligible": eligible, "bsz": sum(g.bsz for g in batch.groups),
-                           "max_q": max(g.max_q for g in batch.groups), "logits": logits.clone()})
+                           "max_q": max(g.max_q for g in batch.groups), "logits": logits.clone(),
+                           "written": written})
         return logits
 
     def close(self):
@@ -190,10 +193,27 @@ def test_static_decode_equals_eager(path, eager_runner, graph_runner):
     assert any(st["bsz"] == 3 for st in steps if st["graph"]) and g.num_padded_rows > 0
 
 
+def e4m3_neighbours(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether fp8 e4m3 values a and b are equal or one rounding step apart: |a - b| is at most the
+    e4m3 spacing at the larger magnitude (3 mantissa bits: 2^(e-3); subnormals 2^-9)."""
+    x, y = a.float(), b.float()
+    big = torch.maximum(x.abs(), y.abs())
+    step = torch.exp2(torch.floor(torch.log2(big.clamp_min(2.0 ** -6))) - 3)
+    return bool(((x - y).abs() <= step).all())
+
+
 def test_static_decode_over_an_fp8_cache(path):
     """An fp8 (e4m3) KV cache on the static path: its pool writes as bytes, its gather widened to
-    the attention dtype (float32 on the CPU, bfloat16 on a GPU); the same greedy outputs and logits
-    as the eager path over the same cache."""
+    the attention dtype (float32 on the CPU, bfloat16 on a GPU); the same greedy outputs as the
+    eager path over the same cache, and the same logits while both caches hold the same bytes.
+
+    Why not every step's logits: each path rounds its float32 K/V to e4m3 after sums taken in other
+    orders (SUM_BOUND), and a value that lies within that much of a rounding midpoint lands on the
+    neighbouring e4m3 value on one path only, a 6-12% change of that element that no summation
+    bound covers and which every later step inherits. So the logits are held to SUM_BOUND up to
+    the first step whose writes differ (its own writes feed its attention), and that step's bytes
+    must be e4m3 neighbours (a rounding flip, not a wrong value or slot). Which step flips first
+    depends on the machine's kernels (none on AMD Zen 4's AVX-512 build; one with the scalar one)."""
     recs, outs = [], []
     for extra in ({}, {"cuda_graph_eager": True}):
         runner = ModelRunner(runner_args(path, kv_cache_dtype="fp8_e4m3", **extra))
@@ -207,8 +227,20 @@ def test_static_decode_over_an_fp8_cache(path):
         finally:
             rec.close()
         recs.append(rec)
-    assert outs[1] == outs[0] and any(st["graph"] for st in recs[1].steps)
-    compare(*recs)
+    assert outs[1] == outs[0]
+    ref, got = recs[0].steps, recs[1].steps
+    assert len(ref) == len(got)
+    graph_steps_compared = 0
+    for a, b in zip(ref, got):
+        assert a["bsz"] == b["bsz"]
+        same = torch.equal(a["written"].view(torch.uint8), b["written"].view(torch.uint8))
+        if not same:
+            assert e4m3_neighbours(a["written"], b["written"])
+            break
+        assert_logits_close(b["logits"], a["logits"])
+        graph_steps_compared += b["graph"]
+    assert any(st["graph"] for st in got)
+    assert graph_steps_compared > 0   # the static path's own fp8 writes and reads were compared
 
 
 class OracleDrafts:
