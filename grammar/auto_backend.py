@@ -7,7 +7,9 @@ the rest with an error, while xgrammar compiles nearly all but approximates some
 (`oneOf` as `anyOf`, `required` inside `anyOf` branches, untyped `pattern` branches, `uniqueItems`,
 `multipleOf`), letting invalid instances through. llguidance also compiles schemas faster. So
 JSON schemas try llguidance first and xgrammar second: every schema compiles, and the exact
-backend is used wherever it can be. Regexes, EBNF, choices and json_object go to xgrammar first
+backend is used wherever it can be. (llguidance itself relaxes `oneOf` and the keywords it does
+not implement before refusing a schema: see LLGuidanceBackend.compile; the engine validates
+every finished document.) Regexes, EBNF, choices and json_object go to xgrammar first
 (its masks are the cheapest per token); structural tags (xgrammar's format) to xgrammar alone.
 """
 from __future__ import annotations

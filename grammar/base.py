@@ -158,6 +158,9 @@ class Grammar(ABC):
     spec: GrammarSpec
     backend_name: str
     compile_time_s: float = 0.0
+    # True where the backend relaxed keywords it cannot enforce (a finished document may break them;
+    # the engine's output check validates every JSON-schema output against the real schema)
+    approximate: bool = False
 
     @abstractmethod
     def matcher(self) -> Matcher:

@@ -13,11 +13,12 @@ backend's business; the guard only chooses among what the backend allows.
   of at most min(that, 17) (a float64's precision), an exponent of at most 3 (its range);
 - strings: at most `max_string_length` characters (raised to the schema's largest `maxLength` or
   `minLength`), after which only tokens that close the string are allowed;
-- closing: within the last PROBE_WINDOW tokens, the guard walks the grammar ahead of the model
-  with the cheapest choices (close the string, stop the number, close a bracket, the shortest
-  value; rolled back after) to estimate the shortest way to finish the document; once the tokens
-  left come within CLOSING_MARGIN of it, only such choices are allowed, so that a document that
-  can still fit ends valid ("stop") instead of cut ("length").
+- closing: from the last half of max_tokens (PROBE_WINDOW at the least) the guard walks the
+  grammar ahead of the model with the cheapest choices (close the string, stop the number, close
+  a bracket, the shortest value; rolled back after) to estimate the shortest way to finish the
+  document, again each time the slack left beyond that estimate has halved; once the tokens left
+  come within CLOSING_MARGIN of it, only such choices are allowed, so that a document that can
+  still fit ends valid ("stop") instead of cut ("length").
 """
 from __future__ import annotations
 
@@ -33,9 +34,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 FRACTION_DIGITS = 17     # a float64 holds 15-17 significant decimal digits
 EXPONENT_DIGITS = 3      # a float64's exponent stays within +-308
-PROBE_WINDOW = 64        # estimate the shortest close only this near max_tokens (it costs a walk)
-PROBE_STEPS = 48         # the walk's length limit (a longer close counts as this)
-PROBE_EVERY = 4          # re-estimate after this many tokens
+PROBE_WINDOW = 64        # first estimate of the shortest close at this many tokens left, or
+PROBE_FRACTION = 2       # half of max_tokens if more (a schema with many required keys closes long)
+PROBE_STEPS = 1024       # the walk's length limit (a longer close counts as this)
+PROBE_EVERY = 4          # re-estimate at least this many tokens apart
 CLOSING_MARGIN = 2       # tokens kept beyond the estimate
 _CLOSERS = frozenset(b"}] \n\t")
 _WS = frozenset(b" \n\t\r")
@@ -187,8 +189,8 @@ class JsonGuard(Matcher):
         self._history: list[_State] = []
         self._scratch = torch.empty_like(tables.quote)
         self._probe = torch.empty(1, tables.quote.shape[0], dtype=torch.int32)
-        self._need: int | None = None       # the last estimate of the shortest close
-        self._probed_at = 0                 # num_accepted at that estimate
+        self._probe_at = max(PROBE_WINDOW, max_tokens // PROBE_FRACTION)   # tokens left at the next estimate
+        self._need = 0                      # the last estimate of the shortest close
         self._closing_now = False
 
     def _tiers(self, s: _State, closing: bool) -> list["torch.Tensor"]:
@@ -210,19 +212,19 @@ class JsonGuard(Matcher):
         if self._closing_now:
             return True
         left = self.max_tokens - self.inner.num_accepted
-        if left > PROBE_WINDOW:
-            return False
-        if self._need is None or self.inner.num_accepted - self._probed_at >= PROBE_EVERY:
-            self._need, self._probed_at = self._shortest_close(), self.inner.num_accepted
+        if left <= self._probe_at:
+            self._need = self._shortest_close(limit=min(left, PROBE_STEPS))
+            # the next estimate when half the slack is spent: few walks while the end is far
+            self._probe_at = left - max(PROBE_EVERY, (left - self._need - CLOSING_MARGIN) // 2)
         self._closing_now = left <= self._need + CLOSING_MARGIN
         return self._closing_now
 
-    def _shortest_close(self) -> int:
+    def _shortest_close(self, limit: int = PROBE_STEPS) -> int:
         """Tokens (EOS included) to finish the document from here, taking the closing choices
-        wherever the grammar allows them; the walk is rolled back."""
+        wherever the grammar allows them (limit + 1 if the walk takes more); rolled back after."""
         s, steps = self.state, 0
         try:
-            while steps < PROBE_STEPS:
+            while steps < limit:
                 if self.inner.can_end():
                     return steps + 1
                 self.inner.fill_mask(self._probe, 0)
@@ -233,7 +235,7 @@ class JsonGuard(Matcher):
                 steps += 1
                 if tok < len(self.tables.token_bytes):
                     s = _scan(s, self.tables.token_bytes[tok])
-            return PROBE_STEPS + 1
+            return limit + 1
         finally:
             self.inner.rollback(steps)
 

@@ -83,6 +83,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json-max-string-length", type=int, default=None,
                    help="JSON output: a string ends after this many characters unless the schema allows longer "
                         "(default 512); 0: no bound. Per request: json_max_string_length")
+    p.add_argument("--json-resample", type=int, default=None,
+                   help="a JSON-schema document that breaks its schema (a keyword the grammar only approximates) "
+                        "is sampled again up to this many times before the request fails (default 2; "
+                        "non-streamed requests at temperature > 0)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--omp-spincount", type=int, default=None,
                    help="OpenMP busy-wait of the model's threads after each parallel region, in spin-loop "

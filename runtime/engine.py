@@ -23,6 +23,8 @@ import uuid
 import weakref
 from typing import Any, AsyncIterator, Callable, Iterator
 
+import msgspec
+
 from .detokenizer import stop_holdback, trim_stop
 from .model_loader import load_config, load_tokenizer, resolve_model
 from .output_check import schema_violation
@@ -50,10 +52,21 @@ class RequestState:
         self.cached_tokens = 0
         self.meta_logprobs: dict[str, list] = {}
         self.start = time.perf_counter()
+        self.resamples_left = 0      # set by the engine: invalid JSON documents it may sample again
+        self.resampled = 0
+        self.resample = False        # set when this state wants its request sent again
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def _restart(self) -> None:
+        """Forget the invalid attempt (its text, tokens and output logprobs) before sampling again."""
+        self.full_text, self.output_ids = "", []
+        self.meta_logprobs = {k: [] for k in self.meta_logprobs if k.startswith("output")}
+        self.resamples_left -= 1
+        self.resampled += 1
+        self.resample = True
 
     def update(self, out: TokenOutput) -> None:
         self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
@@ -67,8 +80,13 @@ class RequestState:
         if (reason is not None and reason.get("type") == "stop" and self.params.json_schema is not None
                 and not isinstance(reason.get("matched"), str)):   # not cut by the caller's own stop string
             problem = schema_violation(self.params.json_schema, self.text())
+            if problem is not None and self.resamples_left > 0:
+                # a keyword the grammar only approximated: another sample, not an error, while allowed
+                self._restart()
+                return
             if problem is not None:
-                reason = {"type": "abort", "message": problem}
+                tries = f" ({self.resampled + 1} documents sampled, none valid)" if self.resampled else ""
+                reason = {"type": "abort", "message": problem + tries}
         self.finish_reason = reason
 
     def text(self, streaming: bool = False) -> str:
@@ -89,6 +107,8 @@ class RequestState:
             "cached_tokens": self.cached_tokens,
             "e2e_latency": time.perf_counter() - self.start,
         }
+        if self.resampled:
+            meta["json_resampled"] = self.resampled   # documents discarded for breaking the schema
         for key, val in self.meta_logprobs.items():
             meta[key] = [self._triples(v) for v in val] if key.endswith("top_logprobs") else self._triples(val)
         return {"text": self.text(streaming), "output_ids": list(self.output_ids), "meta_info": meta}
@@ -173,6 +193,7 @@ class Engine:
             st = by_rid[out.rid]
             st.update(out)
             pending -= st.finished
+            self._resubmit(st, inputs, channel.put)
         results = [s.result() for s in states]
         # a single prompt gives one result, or a list of n when it asks for n > 1
         return results if batch or len(results) > 1 else results[0]
@@ -196,11 +217,13 @@ class Engine:
             return self._stream_async(states[0], channel)
         pending = len(states)
         by_rid = {s.rid: s for s in states}
+        sink = lambda out: loop.call_soon_threadsafe(channel.put_nowait, out)  # noqa: E731
         while pending:
             out = await channel.get()
             st = by_rid[out.rid]
             st.update(out)
             pending -= st.finished
+            self._resubmit(st, inputs, sink)
         results = [s.result() for s in states]
         # a single prompt gives one result, or a list of n when it asks for n > 1
         return results if batch or len(results) > 1 else results[0]
@@ -313,6 +336,8 @@ class Engine:
                                             top_logprobs_num=top_logprobs_num if return_logprob else 0,
                                             stream=stream))
                 state = RequestState(r, params, self.tokenizer, return_text_in_logprobs)
+                if params.json_schema and not stream and params.temperature > 0 and params.top_k != 1:
+                    state.resamples_left = self.args.json_resample
                 if return_logprob:   # protocol: one triple per generated token, so [] for none
                     state.meta_logprobs["output_token_logprobs"] = []   # (SGLang's select reads it)
                     if top_logprobs_num:
@@ -342,6 +367,17 @@ class Engine:
             raise RuntimeError("the engine has been shut down")
         if self._client.error is not None:
             raise RuntimeError(f"the engine cannot serve: {self._client.error}")
+
+    def _resubmit(self, state: RequestState, inputs: list[GenerateInput], sink: Callable[[TokenOutput], None]) -> None:
+        """Send a request again, under its rid and a new seed, when its state asked to resample."""
+        if not state.resample:
+            return
+        state.resample = False
+        inp = next(i for i in inputs if i.rid == state.rid)
+        seed = (inp.seed + state.resampled * 0x9E3779B97F4A7C15) % 2 ** 62   # another stream, reproducibly
+        logger.info("request %s: its JSON document broke the schema; sampling again (%d left)",
+                    state.rid, state.resamples_left)
+        self._register([msgspec.structs.replace(inp, seed=seed)], sink)
 
     def _register(self, inputs: list[GenerateInput], sink: Callable[[TokenOutput], None]) -> None:
         if self._stopped:

@@ -1,10 +1,11 @@
 """The last check on a JSON-schema-constrained output: the finished document is validated with a
 real JSON Schema validator (`jsonschema`) before it is returned.
 
-The grammar backends enforce most schemas exactly (llguidance wherever it accepts one), but the
-fallback for schemas llguidance refuses (xgrammar) approximates some keywords (`oneOf` as `anyOf`,
-`not`, `uniqueItems`, ...). A document that finished under such a grammar but does not validate
-must never come back as an ordinary "stop": the request ends as an abort whose message starts with
+The grammar backends enforce most schemas exactly, but some keywords only approximately
+(llguidance's lenient mode reads `oneOf` as `anyOf` and ignores `not`, `if`/`then`, `uniqueItems`,
+...; xgrammar, the fallback, approximates others). A document that finished under such a grammar
+but does not validate must never come back as an ordinary "stop": the engine samples it again
+while `json_resample` allows, then ends the request as an abort whose message starts with
 `INVALID_OUTPUT` and names the failing keyword and path (the HTTP layer answers 500 with it)."""
 from __future__ import annotations
 

@@ -55,6 +55,7 @@ class ServerArgs:
     disable_jump_forward: bool = False       # jump-forward: append grammar-forced text without sampling
     json_max_number_digits: int = 19         # JSON output: digits of a number's integer part (fraction <= 17); 0: no bound
     json_max_string_length: int = 512        # JSON output: characters of a string the schema does not bound longer; 0: no bound
+    json_resample: int = 2                   # JSON output that breaks its schema (an approximated keyword): sample again up to N times (not streamed, temperature > 0)
     speculative_algorithm: str | None = None # None | ngram (prompt lookup: drafts copied from prompt + output) | draft (a draft model)
     speculative_draft_model: str | None = None  # draft: the draft model (any form `model` accepts); same tokenizer
     speculative_draft_quantization: str | None = None  # draft: quantize the draft model's weights (as `quantization`)
@@ -105,7 +106,7 @@ class ServerArgs:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization must be int8, int4 or fp8 (or unset), got {self.quantization!r}")
-        for name in ("json_max_number_digits", "json_max_string_length"):
+        for name in ("json_max_number_digits", "json_max_string_length", "json_resample"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: no bound), got {getattr(self, name)}")
         if self.omp_spincount < 0:

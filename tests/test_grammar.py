@@ -409,17 +409,25 @@ def test_cache_real_backend(tokenizer):
 
 
 def test_auto_backend_routes_and_falls_back(tokenizer):
-    """auto: JSON schemas go to llguidance (exact), else xgrammar; a schema llguidance refuses
-    falls back to xgrammar; a spec both refuse names both reasons."""
+    """auto: JSON schemas go to llguidance (exact), else xgrammar; a schema llguidance refuses only
+    for `oneOf` or keywords it does not implement compiles there with those relaxed (`approximate`);
+    one it refuses otherwise falls back to xgrammar; a spec both refuse names both reasons."""
     be = make_backend("auto", tokenizer, VOCAB)
     assert be.name == "auto" and set(be.backends) == {"xgrammar", "llguidance"}
     assert be.compile(GrammarSpec.from_json_schema(PERSON)).backend_name == "llguidance"
     assert be.compile(GrammarSpec.from_regex("[0-9]+")).backend_name == "xgrammar"
     assert be.compile(GrammarSpec.from_choices(["yes", "no"])).backend_name == "xgrammar"
-    # llguidance refuses a schema it cannot enforce exactly (uniqueItems over objects); xgrammar takes it
-    approx = {"type": "array", "uniqueItems": True,
-              "items": {"type": "object", "properties": {"a": {"type": "integer"}}}}
-    with pytest.raises(GrammarError):
+    # uniqueItems over objects, overlapping oneOf: llguidance relaxes them (ignored; read as anyOf)
+    for approx in ({"type": "array", "uniqueItems": True,
+                    "items": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+                   {"type": "array", "items": {"oneOf": [{"type": "integer"}, {"minimum": 0}]}}):
+        g = be.compile(GrammarSpec.from_json_schema(approx))
+        assert g.backend_name == "llguidance" and g.approximate
+    assert not be.compile(GrammarSpec.from_json_schema(PERSON)).approximate
+    # a look-around in a pattern: llguidance refuses it outright, xgrammar takes the schema
+    approx = {"type": "array", "items": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                         "patternProperties": {"^(?!a)b$": {"type": "string"}}}}
+    with pytest.raises(GrammarError, match="look-around"):
         make_backend("llguidance", tokenizer, VOCAB).compile(GrammarSpec.from_json_schema(approx))
     g = be.compile(GrammarSpec.from_json_schema(approx))
     assert g.backend_name == "xgrammar"
@@ -427,6 +435,33 @@ def test_auto_backend_routes_and_falls_back(tokenizer):
     assert all(m.accept(t) for t in ids_of(tokenizer, '[{"a": 1}]')) and m.can_end()
     with pytest.raises(GrammarError, match="no grammar backend accepts this spec: xgrammar.*; llguidance"):
         be.compile(GrammarSpec.from_regex("[a-"))
+
+
+def test_one_of_over_required_keys_is_enforced_exactly(tokenizer):
+    """"Either these keys or those": the rewrite accepts only documents valid under the `oneOf`
+    (checked with jsonschema over every subset of keys and a non-object), and llguidance enforces
+    it without relaxing anything."""
+    import itertools
+
+    import jsonschema
+
+    from plait.grammar.llguidance_backend import exclusive_required
+    for branches in ([{"required": ["a"]}, {"required": ["b"]}],
+                     [{"required": ["a", "b"]}, {"required": ["c", "d"]}, {"required": ["e"], "title": "t"}],
+                     [{"required": ["a"]}, {"required": ["a", "b"]}]):
+        one_of, any_of = {"oneOf": branches}, {"anyOf": exclusive_required(branches)}
+        keys = sorted({k for b in branches for k in b["required"]})
+        docs = [dict.fromkeys(c, 1) for n in range(len(keys) + 1) for c in itertools.combinations(keys, n)]
+        accepted = [d for d in docs + [1, "x"] if jsonschema.Draft202012Validator(any_of).is_valid(d)]
+        assert accepted and all(jsonschema.Draft202012Validator(one_of).is_valid(d) for d in accepted)
+    assert exclusive_required([{"required": ["a"]}, {"type": "string"}]) is None
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+              "oneOf": [{"required": ["a"]}, {"required": ["b"]}]}
+    g = make_backend("auto", tokenizer, VOCAB).compile(GrammarSpec.from_json_schema(schema))
+    assert g.backend_name == "llguidance" and not g.approximate
+    for text, ok in (('{"a": 1}', True), ('{"b": 2}', True), ('{"a": 1, "b": 2}', False), ("{}", False)):
+        m = g.matcher()
+        assert (all(m.accept(t) for t in ids_of(tokenizer, text)) and m.can_end()) == ok, text
 
 
 def test_strict_mode_forbids_undeclared_keys(tokenizer):
@@ -442,6 +477,8 @@ def test_strict_mode_forbids_undeclared_keys(tokenizer):
     assert s["properties"]["c"] == {"enum": [{"properties": 1}]}  # data, not a schema
     assert "additionalProperties" not in s["allOf"][0]
     assert s["$defs"]["d"]["additionalProperties"] is False
+    # a required key the properties do not declare: left open, or no document could satisfy it
+    assert "additionalProperties" not in strict_schema({"properties": {"a": {}}, "required": ["a", "text"]})
     extra = ids_of(tokenizer, '{"name": "a", "age": 1, "x": 2}')
     for name in ("xgrammar", "llguidance", "auto"):
         for strict in (True, False):

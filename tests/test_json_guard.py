@@ -112,6 +112,19 @@ def test_guarded_documents_end_valid_within_max_tokens(backend, info, adversary,
     assert len(doc["s"]) <= 40 + 16           # the cap, plus at most one token's characters
 
 
+def test_a_long_close_starts_early_enough(backend, info, adversary):
+    """Twenty required keys, each an array the adversary keeps filling: the shortest close (each
+    key spelt a character a token, as the adversary does) is ~180 tokens, so the guard must
+    estimate it long before the last few dozen."""
+    schema = {"type": "object", "properties": {f"key_{i}": {"type": "array", "items": {"type": "integer"}}
+                                               for i in range(20)},
+              "required": [f"key_{i}" for i in range(20)]}
+    m = guard(backend, info, schema, JsonLimits(19, 40), 600)
+    text, ended = walk(m, adversary, 600)
+    assert ended, text[-200:]
+    jsonschema.validate(json.loads(text), schema)
+
+
 def test_the_schema_wins_over_the_caps(backend, info, adversary):
     """A minLength above the string cap and a minimum above the digit cap are still met."""
     schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 30},

@@ -242,9 +242,10 @@ def test_json_object_with_a_schema(oai):
 
 @pytest.mark.integration
 def test_an_approximated_schema_never_returns_an_invalid_document(oai):
-    """llguidance refuses `oneOf`; the fallback (xgrammar) reads it as `anyOf`. With two identical
-    branches every integer breaks `oneOf` (valid under both): the document is withheld with a 500
-    naming the keyword, streamed or not, instead of coming back as "stop"."""
+    """`oneOf` compiles as `anyOf` (llguidance's lenient mode). With two identical branches every
+    integer breaks `oneOf` (valid under both): the document is withheld with a 500 naming the
+    keyword, streamed or not, instead of coming back as "stop" — sampled again first where that
+    can help (json_resample: not streamed, temperature > 0)."""
     twice = {"oneOf": [{"type": "integer", "maximum": 9}, {"type": "integer", "maximum": 9}]}
     ask = [{"role": "user", "content": "Pick a number."}]
     fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": twice}}
@@ -252,6 +253,8 @@ def test_an_approximated_schema_never_returns_an_invalid_document(oai):
         chat(oai, ask, response_format=fmt, temperature=0, max_tokens=16)
     with pytest.raises(openai.APIError, match="invalid output.*'oneOf'"):
         list(chat(oai, ask, response_format=fmt, temperature=0, max_tokens=16, stream=True))
+    with pytest.raises(openai.InternalServerError, match=r"'oneOf'.*\(3 documents sampled, none valid\)"):
+        chat(oai, ask, response_format=fmt, temperature=1.0, seed=3, max_tokens=16)
     ok = {"oneOf": [{"type": "integer", "maximum": -1}, {"type": "integer", "minimum": 0}]}   # disjoint
     out = chat(oai, ask, temperature=0, max_tokens=16,
                response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": ok}})

@@ -55,3 +55,24 @@ def test_valid_truncated_and_caller_stopped_outputs_pass_through():
     state = RequestState("r", SamplingParams(), tokenizer=None, return_text_in_logprobs=False)
     state.update(TokenOutput(rid="r", new_ids=[1], finish_reason={"type": "stop", "matched": 2}, text_delta="{"))
     assert state.finish_reason["type"] == "stop"
+
+
+def test_an_invalid_document_is_sampled_again_while_attempts_remain():
+    """With attempts left (the engine's json_resample, for non-streamed sampled requests) an invalid
+    document asks to be sampled again instead of finishing, its text and tokens forgotten; the
+    next valid one finishes as "stop" and meta_info counts the discarded ones. When attempts run
+    out the abort says how many documents were sampled."""
+    state = RequestState("r", SamplingParams(json_schema=SCHEMA), tokenizer=None, return_text_in_logprobs=False)
+    state.resamples_left = 1
+    state.update(TokenOutput(rid="r", new_ids=[1, 2], finish_reason={"type": "stop", "matched": 2}, text_delta='{"n": 3}'))
+    assert not state.finished and state.resample and state.output_ids == [] and state.text() == ""
+    state.resample = False                      # (the engine sends the request again)
+    state.update(TokenOutput(rid="r", new_ids=[5], finish_reason={"type": "stop", "matched": 2}, text_delta='{"n": -3}'))
+    assert state.finish_reason == {"type": "stop", "matched": 2} and state.text() == '{"n": -3}'
+    assert state.result()["meta_info"]["json_resampled"] == 1 and state.output_ids == [5]
+
+    state = RequestState("r", SamplingParams(json_schema=SCHEMA), tokenizer=None, return_text_in_logprobs=False)
+    state.resamples_left = 1
+    for _ in range(2):
+        state.update(TokenOutput(rid="r", new_ids=[1], finish_reason={"type": "stop", "matched": 2}, text_delta='{"n": 3}'))
+    assert state.finish_reason["type"] == "abort" and "(2 documents sampled, none valid)" in state.finish_reason["message"]
