@@ -478,7 +478,8 @@ def test_sigterm_under_load_drains_and_exits_0(tiny_model_dirs):
             r = httpx.post(base + "/generate", json={"text": f"t{i}", "sampling_params": {**LONG, "n": 4}},
                            timeout=30)
             ok = r.status_code == 200 and all(len(x["output_ids"]) == 400 for x in r.json())
-            outcomes[f"plain{i}"] = "complete" if ok else f"error {r.status_code} {r.json()['error']['code']}"
+            unavailable = r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
+            outcomes[f"plain{i}"] = "complete" if ok else "unavailable" if unavailable else f"error {r.status_code}"
 
         def stream(i: int) -> None:
             with httpx.stream("POST", base + "/generate", timeout=30, json={
@@ -486,7 +487,9 @@ def test_sigterm_under_load_drains_and_exits_0(tiny_model_dirs):
                 ev = sse_events(r.iter_lines())
             assert ev[-1] == "[DONE]", ev[-2:]
             done = "meta_info" in ev[-2] and ev[-2]["meta_info"]["finish_reason"]["type"] == "length"
-            outcomes[f"stream{i}"] = "complete" if done else f"error {ev[-2]['error']['code']}"
+            # (a stream's status was 200 when it started: the drain ends it with an error event)
+            code = None if done else ev[-2].get("error", {}).get("code")
+            outcomes[f"stream{i}"] = "complete" if done else "unavailable" if code == "service_unavailable" else f"error {code}"
         threads = [threading.Thread(target=f, args=(i,)) for i in range(3) for f in (plain, stream)]
         for t in threads:
             t.start()
@@ -498,7 +501,8 @@ def test_sigterm_under_load_drains_and_exits_0(tiny_model_dirs):
         for t in threads:
             t.join(timeout=10)
         assert len(outcomes) == 6, outcomes
-        assert all(o == "complete" or o.startswith("error 503") for o in outcomes.values()), outcomes
+        # how many complete depends on the machine's speed against the drain timeout; none is cut
+        assert all(o in ("complete", "unavailable") for o in outcomes.values()), outcomes
 
 
 # --- security ---------------------------------------------------------------------------------
