@@ -3,7 +3,8 @@
 The model stops at the token where a pattern first matches the text generated so far, and the
 matched text stays in the output (SGLang 0.5.5 trims only literal stop strings). The frontend
 applies this itself, on the text as it streams in, so it holds on every backend; the request
-also carries `stop_regex`, for servers that stop there on their own.
+also carries `stop_regex`, so plait's (and SGLang's) server stops generating there too instead of
+running on to max_tokens.
 """
 from __future__ import annotations
 

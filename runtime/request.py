@@ -1,6 +1,9 @@
 """A request inside the scheduler, and the typed messages that enter and leave it."""
 from __future__ import annotations
 
+import functools
+import re
+
 import msgspec
 
 from .sampling_params import SamplingParams
@@ -59,6 +62,16 @@ class TokenOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
             text_delta=self.text_delta + later.text_delta)
 
 
+# How many trailing output tokens a `stop_regex` is searched in, each step. Checked every step, so a
+# match is found at the token that completes it; only a match spanning more than this is missed.
+STOP_REGEX_WINDOW = 256
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(pattern: str) -> re.Pattern:
+    return re.compile(pattern)
+
+
 class Req:
     """Scheduler-side state of one request.
 
@@ -70,7 +83,7 @@ class Req:
     __slots__ = ("rid", "origin_ids", "output_ids", "params", "seed", "return_logprob",
                  "logprob_start_len", "top_logprobs_num", "row", "kv_len", "cached_len",
                  "last_node", "cached_tokens", "finish_reason", "prefilled", "input_logprobs",
-                 "input_top_logprobs", "stop_tail_tokens", "arrival", "matcher", "num_draft",
+                 "input_top_logprobs", "stop_tail_tokens", "stop_patterns", "arrival", "matcher", "num_draft",
                  "draft_source", "ngram", "ngram_length")
 
     def __init__(self, inp: GenerateInput, arrival: int):
@@ -93,6 +106,9 @@ class Req:
         self.input_top_logprobs: list = []
         longest = max((len(s) for s in self.params.stop), default=0)
         self.stop_tail_tokens = longest + 2    # a token is at least one character
+        self.stop_patterns = tuple(_compiled(p) for p in self.params.stop_regex)
+        if self.stop_patterns:                 # a regex match has no length bound: look further back
+            self.stop_tail_tokens = max(self.stop_tail_tokens, STOP_REGEX_WINDOW)
         self.arrival = arrival
         self.matcher = None                    # grammar matcher, when the request has a grammar
         self.num_draft = 0                     # trailing output_ids proposed as drafts, not yet verified

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,6 +170,11 @@ class SamplingParams:
             raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if any(len(s) > MAX_STOP_STR_LEN for s in (*self.stop, *self.stop_regex)):
             raise ValueError(f"a stop string may be at most {MAX_STOP_STR_LEN} characters long")
+        for pattern in self.stop_regex:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {e}") from None
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:

@@ -779,12 +779,15 @@ class Scheduler:
                 if eos != tok:
                     req.output_ids.append(eos)
                 return {"type": "stop", "matched": eos}
-            if p.stop:
+            if p.stop or req.stop_patterns:
                 tail = self.tokenizer.decode(req.output_ids[-req.stop_tail_tokens:],
                                              skip_special_tokens=p.skip_special_tokens)
                 for s in p.stop:
                     if s in tail:
                         return {"type": "stop", "matched": s}
+                for pattern in req.stop_patterns:   # SGLang's stop_regex: the match stays in the text
+                    if pattern.search(tail):
+                        return {"type": "stop", "matched": pattern.pattern}
         if n >= p.max_new_tokens:
             return {"type": "length", "length": n}
         if len(req.origin_ids) + n >= self.context_len:

@@ -3,6 +3,7 @@ retraction, concurrency and bad input. Tiny random Llama with the real tokenizer
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -84,6 +85,23 @@ def test_stop_strings_and_tokens(engine):
                                                "stop_token_ids": [tok], "ignore_eos": True})
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": tok}
     assert out["output_ids"] == base["output_ids"][:base["output_ids"].index(tok) + 1]
+    assert_no_leak(engine)
+
+
+def test_stop_regex_stops_at_the_completing_token(engine):
+    params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    base = engine.generate("Count: one, two,", params)
+    ids, text = base["output_ids"], base["text"]
+    assert len(text) > 6
+    pattern = re.escape(text[3:6])
+    # the first prefix of the greedy output whose text matches: the scheduler must stop right there
+    k = next(i for i in range(1, len(ids) + 1) if re.search(pattern, engine.tokenizer.decode(ids[:i])))
+    out = engine.generate("Count: one, two,", {**params, "stop_regex": [pattern]})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+    assert out["output_ids"] == ids[:k]
+    assert out["text"] == engine.tokenizer.decode(ids[:k])     # SGLang keeps a regex's match
+    with pytest.raises(ValueError, match="stop_regex"):
+        engine.generate("x", {"max_new_tokens": 2, "stop_regex": "("})
     assert_no_leak(engine)
 
 

@@ -250,6 +250,7 @@ def test_bad_input(http, engine):
         ({"input_ids": "abc"}, "input_ids"),
         ({"text": "x", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
         ({"text": "x", "sampling_params": {"temperature": "hot"}}, "temperature"),
+        ({"text": "x", "sampling_params": {"stop_regex": "(unclosed"}}, "stop_regex"),
         ({"text": "x", "sampling_params": "greedy"}, "sampling_params"),
         ({"text": "x", "return_logprob": "yes"}, "return_logprob"),
         ({"text": "x " * 600}, "context length"),

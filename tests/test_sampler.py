@@ -390,6 +390,7 @@ def test_strict_vs_lenient_unknown_keys():
     ({"n": True}, "n"),
     ({"ignore_eos": 1}, "ignore_eos"),
     ({"stop": [1]}, "stop"),
+    ({"stop_regex": "("}, "stop_regex"),
     ({"stop_token_ids": ["a"]}, "stop_token_ids"),
     ({"seed": 1.5}, "seed"),
     ({"regex": 3}, "regex"),
