@@ -40,7 +40,7 @@ def _default_data() -> str:
 
 def _resolve(schema: Any, root: Any, depth: int = 0) -> Any:
     """Follow a local $ref ("#/a/b") a few levels."""
-    from plait.runtime.sampling_params import resolve_local_ref
+    from plait.grammar.schema_rewrite import resolve_local_ref
     while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and depth < 20:
         node = resolve_local_ref(root, schema["$ref"])
         if node is None:

@@ -13,12 +13,17 @@ backend's business; the guard only chooses among what the backend allows.
   of at most min(that, 17) (a float64's precision), an exponent of at most 3 (its range);
 - strings: at most `max_string_length` characters (raised to the schema's largest `maxLength` or
   `minLength`), after which only tokens that close the string are allowed;
-- closing: from the last half of max_tokens (PROBE_WINDOW at the least) the guard walks the
-  grammar ahead of the model with the cheapest choices (close the string, stop the number, close
-  a bracket, the shortest value; rolled back after) to estimate the shortest way to finish the
-  document, again each time the slack left beyond that estimate has halved; once the tokens left
-  come within CLOSING_MARGIN of it, only such choices are allowed, so that a document that can
-  still fit ends valid ("stop") instead of cut ("length").
+- closing: from the first token the guard walks the grammar ahead of the model with the
+  cheapest choices (close the string, stop the number, close a bracket, the shortest value; among
+  those the longest token, so the fewest steps; rolled back after) to estimate the shortest way to
+  finish the document: a walk as long as that close, a few steps for a small schema, hundreds
+  where many keys are required and closing must start early. It walks again each time the slack
+  beyond the estimate has halved. Once the tokens left come within CLOSING_MARGIN of it, the
+  document ends along that walk, token by token: the model's own closing choices can take longer
+  (`" "` for `""`, an optional key), and a document that fitted would be cut. So a document that
+  can still fit ends valid ("stop") instead of cut ("length"). Where the walk finds no close (a
+  string whose `pattern` refuses the quote), the closing choices are preferred and the model
+  picks among them.
 """
 from __future__ import annotations
 
@@ -34,8 +39,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 FRACTION_DIGITS = 17     # a float64 holds 15-17 significant decimal digits
 EXPONENT_DIGITS = 3      # a float64's exponent stays within +-308
-PROBE_WINDOW = 64        # first estimate of the shortest close at this many tokens left, or
-PROBE_FRACTION = 2       # half of max_tokens if more (a schema with many required keys closes long)
 PROBE_STEPS = 1024       # the walk's length limit (a longer close counts as this)
 PROBE_EVERY = 4          # re-estimate at least this many tokens apart
 CLOSING_MARGIN = 2       # tokens kept beyond the estimate
@@ -134,6 +137,7 @@ class GuardTables:
         closer = np.zeros(width * 32, dtype=bool)
         value = np.zeros(width * 32, dtype=bool)
         opener = np.zeros(width * 32, dtype=bool)
+        length = np.zeros(width * 32, dtype=np.int32)
         for i, b in info.normal_tokens():
             if i >= n:
                 break
@@ -145,10 +149,13 @@ class GuardTables:
             closer[i] = all(c in _CLOSERS for c in b) and not all(c in _WS for c in b)
             value[i] = b.strip() in _SHORT_VALUES
             opener[i] = b.strip() in (b'"', b"[", b"{")
+            length[i] = len(b)
         for e in info.eos_token_ids:
             quote[e] = string_end[e] = closer[e] = True
         self._lead = lead
         self._shifts = torch.arange(32, dtype=torch.int64)
+        self.length = torch.from_numpy(length)           # bytes per token (0: special tokens)
+        self._shifts32 = torch.arange(32, dtype=torch.int32)
         self.quote = self._pack(quote)
         self.string_end = self._pack(string_end)
         self.closer = self._pack(closer)
@@ -160,6 +167,14 @@ class GuardTables:
         bits = torch.from_numpy(allowed.reshape(-1, 32).astype("int64")) << self._shifts
         words = bits.sum(dim=1)
         return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+    def longest(self, row: "torch.Tensor") -> int:
+        """The allowed token of packed mask row `row` with the most bytes (the lowest id among
+        equals; EOS where it is the only one; -1 if none)."""
+        allowed = ((row.unsqueeze(-1) >> self._shifts32) & 1).flatten().bool()
+        if not bool(allowed.any()):
+            return -1
+        return int(torch.where(allowed, self.length, -1).argmax())
 
     def digits(self, room: int) -> "torch.Tensor":
         """Tokens that start with at most `room` digits."""
@@ -189,9 +204,11 @@ class JsonGuard(Matcher):
         self._history: list[_State] = []
         self._scratch = torch.empty_like(tables.quote)
         self._probe = torch.empty(1, tables.quote.shape[0], dtype=torch.int32)
-        self._probe_at = max(PROBE_WINDOW, max_tokens // PROBE_FRACTION)   # tokens left at the next estimate
+        self._probe_at = max_tokens         # tokens left at the next estimate: the first, at once
         self._need = 0                      # the last estimate of the shortest close
         self._closing_now = False
+        self._path: list[int] | None = None  # while closing: the walk's tokens still to write
+        self._path_failed = False           # the walk found no close: closing tiers only
 
     def _tiers(self, s: _State, closing: bool) -> list["torch.Tensor"]:
         """The masks to narrow to in state `s`, in order of preference; the first that leaves a
@@ -219,9 +236,22 @@ class JsonGuard(Matcher):
         self._closing_now = left <= self._need + CLOSING_MARGIN
         return self._closing_now
 
-    def _shortest_close(self, limit: int = PROBE_STEPS) -> int:
+    def _close_path(self) -> list[int] | None:
+        """The walk's tokens from here (None if it finds no close): computed when closing begins
+        and again whenever the document leaves it (jump-forward, a rollback)."""
+        if self._path is None and not self._path_failed:
+            path: list[int] = []
+            left = self.max_tokens - self.inner.num_accepted
+            if self._shortest_close(limit=min(left, PROBE_STEPS), path=path) <= left:
+                self._path = path
+            else:
+                self._path_failed = True
+        return self._path
+
+    def _shortest_close(self, limit: int = PROBE_STEPS, path: list[int] | None = None) -> int:
         """Tokens (EOS included) to finish the document from here, taking the closing choices
-        wherever the grammar allows them (limit + 1 if the walk takes more); rolled back after."""
+        wherever the grammar allows them (limit + 1 if the walk takes more); rolled back after.
+        `path`, if given, receives the walk's tokens (EOS left out)."""
         s, steps = self.state, 0
         try:
             while steps < limit:
@@ -229,10 +259,12 @@ class JsonGuard(Matcher):
                     return steps + 1
                 self.inner.fill_mask(self._probe, 0)
                 self._narrow(self._probe[0], self._tiers(s, True))
-                tok = self._lowest(self._probe[0])
+                tok = self.tables.longest(self._probe[0])
                 if tok < 0 or not self.inner.accept(tok):
                     break
                 steps += 1
+                if path is not None:
+                    path.append(tok)
                 if tok < len(self.tables.token_bytes):
                     s = _scan(s, self.tables.token_bytes[tok])
             return limit + 1
@@ -248,19 +280,14 @@ class JsonGuard(Matcher):
                 r.copy_(narrowed)
                 return
 
-    @staticmethod
-    def _lowest(r: "torch.Tensor") -> int:
-        """The lowest token id mask row `r` allows (-1 if none)."""
-        words = r.nonzero()
-        if not len(words):
-            return -1
-        w = int(words[0, 0])
-        word = int(r[w]) & 0xFFFFFFFF
-        return w * 32 + ((word & -word).bit_length() - 1)
-
     def accept(self, token_id: int) -> bool:
         if not self.inner.accept(token_id):
             return False
+        if self._path:
+            if self._path[0] == token_id:
+                self._path.pop(0)
+            else:
+                self._path = None            # off the walk (jump-forward): walk again from here
         self._history.append(self.state)
         if token_id < len(self.tables.token_bytes):
             self.state = _scan(self.state, self.tables.token_bytes[token_id])
@@ -268,7 +295,15 @@ class JsonGuard(Matcher):
 
     def fill_mask(self, bitmask: "torch.Tensor", row: int) -> None:
         self.inner.fill_mask(bitmask, row)
-        tiers = self._tiers(self.state, self._closing())
+        closing = self._closing()
+        if closing and not self.inner.can_end() and (path := self._close_path()):
+            r = bitmask[row]
+            word, bit = divmod(path[0], 32)
+            if (int(r[word]) >> bit) & 1:       # always, unless the grammar changed under the walk
+                r.zero_()
+                r[word] = -(1 << 31) if bit == 31 else 1 << bit
+                return
+        tiers = self._tiers(self.state, closing)
         if tiers:
             self._narrow(bitmask[row], tiers)
 
@@ -281,6 +316,7 @@ class JsonGuard(Matcher):
     def rollback(self, n: int) -> None:
         self.inner.rollback(n)
         if n:
+            self._path, self._path_failed = None, False
             self.state = self._history[-n]
             del self._history[-n:]
 

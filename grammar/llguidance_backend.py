@@ -10,6 +10,7 @@ import torch
 
 from .base import Grammar, GrammarBackend, GrammarError, GrammarSpec, Matcher, decode_forced
 from .bitmask import bitmask_width, checked_row, eos_only_row
+from .schema_rewrite import strict_schema
 from .tokenizer_info import TokenizerInfo
 
 try:
@@ -30,76 +31,6 @@ JSON_OPTIONS = {
 # as anyOf, the unimplemented keywords (not, if/then/else, dependencies, uniqueItems, ...) ignored.
 LENIENT = {"coerce_one_of": True, "lenient": True}
 _APPROXIMABLE = re.compile(r"oneOf constraints are not supported|Unimplemented keys")
-
-# keywords whose values are schemas (a dict), lists of schemas, or maps of name -> schema;
-# everything else (enum, const, default, examples, ...) is data and is left alone
-_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
-              "additionalProperties", "unevaluatedProperties", "unevaluatedItems")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-
-
-_ANNOTATIONS = ("title", "description", "$comment")
-
-
-def exclusive_required(branches: list) -> list | None:
-    """`oneOf` branches that differ only by `required` keys ("give either these or those", common in
-    real schemas) as `anyOf` branches that cannot both hold: each an object (a non-object meets every
-    `required` at once) that leaves out the keys the others require beyond its own. Exact where each
-    branch requires one key; otherwise a subset of the valid documents, never an invalid one. A
-    branch whose keys include another's can never be the only one to hold and is dropped. None if
-    the branches are not of this form."""
-    keys = []
-    for b in branches:
-        if not (isinstance(b, dict) and isinstance(b.get("required"), list)
-                and all(k in ("required", *_ANNOTATIONS) for k in b)
-                and all(isinstance(k, str) for k in b["required"])):
-            return None
-        keys.append(set(b["required"]))
-    out = []
-    for i, mine in enumerate(keys):
-        others = [theirs for j, theirs in enumerate(keys) if j != i]
-        if any(theirs <= mine for theirs in others):
-            continue
-        banned = sorted(set().union(*(theirs - mine for theirs in others)))
-        out.append({"type": "object", "required": sorted(mine), "properties": {k: False for k in banned}})
-    return out or None
-
-
-def strict_schema(node, in_all_of: bool = False, close: bool = True):
-    """A copy of the schema for llguidance: `oneOf` over `required` lists made exclusive (see
-    `exclusive_required`); and with `close`, objects that list `properties` and say nothing of other
-    keys forbid them (`additionalProperties: false`) — what xgrammar's strict mode does, so that a
-    model writes the declared keys and stops instead of inventing more. Branches of an `allOf` are
-    left open: closing each would forbid the keys the other branches declare."""
-    if isinstance(node, list):
-        return [strict_schema(x, close=close) for x in node]
-    if not isinstance(node, dict):
-        return node
-    out = {}
-    for k, v in node.items():
-        if k in _SUBSCHEMA:
-            out[k] = strict_schema(v, close=close)
-        elif k == "oneOf" and "anyOf" not in node and isinstance(v, list) and (ex := exclusive_required(v)):
-            out["anyOf"] = ex
-        elif k in _SUBSCHEMA_LISTS and isinstance(v, list):
-            out[k] = [strict_schema(x, close=close) for x in v]
-        elif k == "allOf" and isinstance(v, list):
-            out[k] = [strict_schema(x, in_all_of=True, close=close) for x in v]
-        elif k in _SUBSCHEMA_MAPS and isinstance(v, dict):
-            out[k] = {name: strict_schema(x, close=close) for name, x in v.items()}
-        else:
-            out[k] = v
-    if not close:
-        return out
-    props = node.get("properties")
-    if (not in_all_of and isinstance(props, dict) and "allOf" not in node
-            # a required key the properties do not declare stays writable (closing would make it unsatisfiable)
-            and all(k in props for k in node.get("required", ()) if isinstance(k, str))
-            and not any(k in node for k in ("additionalProperties", "unevaluatedProperties", "patternProperties"))):
-        out["additionalProperties"] = False
-    return out
-
 
 class LLGuidanceBackend(GrammarBackend):
     name = "llguidance"

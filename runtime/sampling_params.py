@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..grammar.schema_rewrite import resolve_local_ref
+
 # Field kinds used by `validate` (and by `__post_init__` for normalisation).
 _INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n")
 _FLOAT_FIELDS = (
@@ -252,24 +254,6 @@ class SamplingParams:
 # Keys that do not constrain a value: a schema with only these and `$ref` is just the reference.
 _ANNOTATIONS = frozenset({"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description",
                           "default", "examples"})
-
-
-def resolve_local_ref(root: Any, ref: str) -> Any:
-    """The target of a local `$ref` ("#" or a "#/..." JSON pointer), or None."""
-    if ref == "#":
-        return root
-    if not ref.startswith("#/"):
-        return None
-    node = root
-    for part in ref[2:].split("/"):
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
 
 
 def ref_cycle(schema: Any) -> str | None:

@@ -445,7 +445,7 @@ def test_one_of_over_required_keys_is_enforced_exactly(tokenizer):
 
     import jsonschema
 
-    from plait.grammar.llguidance_backend import exclusive_required
+    from plait.grammar.schema_rewrite import exclusive_required
     for branches in ([{"required": ["a"]}, {"required": ["b"]}],
                      [{"required": ["a", "b"]}, {"required": ["c", "d"]}, {"required": ["e"], "title": "t"}],
                      [{"required": ["a"]}, {"required": ["a", "b"]}]):
@@ -464,10 +464,62 @@ def test_one_of_over_required_keys_is_enforced_exactly(tokenizer):
         assert (all(m.accept(t) for t in ids_of(tokenizer, text)) and m.can_end()) == ok, text
 
 
+ELM_LIKE = {   # an if/then/else chain keyed on one property (JSONSchemaBench's elm.json)
+    "type": "object", "required": ["type"],
+    "properties": {"type": {"enum": ["application", "package"]}},
+    "if": {"properties": {"type": {"enum": ["package"]}}},
+    "then": {"$ref": "#/definitions/package"},
+    "else": {"if": {"properties": {"type": {"const": "application"}}},
+             "then": {"required": ["dirs"], "properties": {"dirs": {"type": "array"}}}},
+    "definitions": {"package": {"properties": {"name": {"type": "string"}}, "required": ["name"]}}}
+SAUCE_LIKE = {  # allOf of bare if/then keyed on two properties, a then with $refs into itself (saucectl)
+    "type": "object", "properties": {"kind": {"enum": ["a", "b", "c"]}, "v": {}},
+    "allOf": [{"if": {"properties": {"kind": {"const": "a"}, "v": {"const": 1}}},
+               "then": {"required": ["x"], "properties": {"x": {"$ref": "#/allOf/0/then/definitions/n"}},
+                        "definitions": {"n": {"type": "integer"}}}},
+              {"if": {"properties": {"kind": {"const": "a"}, "v": {"const": 2}}}, "then": {"required": ["y"]}},
+              {"if": {"properties": {"kind": {"const": "b"}}}, "then": {"required": ["z"]}}]}
+
+
+@pytest.mark.parametrize("schema", [ELM_LIKE, SAUCE_LIKE], ids=["chain", "all_of"])
+def test_conditionals_become_exact_branches(tokenizer, schema):
+    """if/then/else keyed on property values: every document the rewrite accepts is valid under
+    the original (jsonschema, over combinations of keys and values), documents for each case are
+    accepted, and llguidance compiles the rewrite without relaxing anything."""
+    import itertools
+
+    import jsonschema
+
+    from plait.grammar.schema_rewrite import conditional_branches
+    rewritten = conditional_branches(schema)
+    assert rewritten is not None and "if" not in json.dumps(rewritten)
+    values = {"type": ["application", "package", "other"], "kind": ["a", "b", "c"], "v": [1, 2],
+              "name": ["n"], "dirs": [[]], "x": [1, "s"], "y": [1], "z": [1]}
+    keys = [k for k in values if k in json.dumps(schema)]
+    docs = []
+    for n in range(len(keys) + 1):
+        for chosen in itertools.combinations(keys, n):
+            docs += [dict(zip(chosen, vals)) for vals in itertools.product(*(values[k] for k in chosen))]
+    original, rewrite = jsonschema.Draft7Validator(schema), jsonschema.Draft7Validator(rewritten)
+    accepted = [d for d in docs if rewrite.is_valid(d)]
+    assert all(original.is_valid(d) for d in accepted)
+    assert len(accepted) >= 4
+    g = make_backend("auto", tokenizer, VOCAB).compile(GrammarSpec.from_json_schema(schema))
+    assert g.backend_name == "llguidance" and not g.approximate
+    good, bad = ((['{"type": "package", "name": "n"}', '{"type": "application", "dirs": []}'],
+                  ['{"type": "package", "dirs": []}', '{"type": "application", "name": "n"}'])
+                 if schema is ELM_LIKE else
+                 (['{"kind": "a", "v": 1, "x": 3}', '{"kind": "b", "z": 1}'],
+                  ['{"kind": "a", "v": 1, "x": "s"}', '{"kind": "b", "y": 1}']))
+    for text, ok in [(t, True) for t in good] + [(t, False) for t in bad]:
+        m = g.matcher()
+        assert (all(m.accept(t) for t in ids_of(tokenizer, text)) and m.can_end()) == ok, text
+
+
 def test_strict_mode_forbids_undeclared_keys(tokenizer):
     """xgrammar, llguidance and auto close objects that declare properties (strict mode, the
     default) so the model stops after the declared keys; strict_mode=False follows JSON Schema."""
-    from plait.grammar.llguidance_backend import strict_schema
+    from plait.grammar.schema_rewrite import strict_schema
     nested = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
                                                "c": {"enum": [{"properties": 1}]}},
               "allOf": [{"properties": {"x": {}}}], "$defs": {"d": {"properties": {"e": {}}}}}

@@ -125,6 +125,48 @@ def test_a_long_close_starts_early_enough(backend, info, adversary):
     jsonschema.validate(json.loads(text), schema)
 
 
+def slow_walk(matcher, info, max_tokens: int) -> tuple[bytes, bool]:
+    """A "model" whose closing choices take longer than the guard's walk: among the allowed
+    tokens it takes the shortest (a key a character a token, `" "` before `""`), the highest id
+    among equals."""
+    lengths = torch.tensor([len(b) if b else 10 ** 6 for b in info.token_bytes] +
+                           [10 ** 6] * (VOCAB - len(info.token_bytes)))
+    lengths[EOS] = 10 ** 5                  # EOS only where nothing else is allowed
+    mask = allocate_token_bitmask(1, VOCAB)
+    out = b""
+    for _ in range(max_tokens):
+        matcher.fill_mask(mask, 0)
+        allowed = unpack_bitmask(mask, VOCAB)[0]
+        cost = torch.where(allowed, lengths * VOCAB - torch.arange(VOCAB), torch.iinfo(torch.int64).max)
+        tok = int(cost.argmin())
+        assert allowed[tok], "the mask allows nothing"
+        assert matcher.accept(tok)
+        if tok == EOS:
+            return out, True
+        out += info.token_bytes[tok]
+    return out, False
+
+
+@pytest.mark.parametrize("max_tokens", [400, 500])
+def test_the_close_follows_the_walk_not_the_model(backend, info, max_tokens):
+    """Twelve required keys with long names (the shortest document is ~190 tokens): the walk
+    writes a key in a few tokens, the model above in one a character. Once closing begins the
+    document ends along the walk, so it still ends valid within max_tokens; left to pick among
+    closing tokens, the model is cut (on xgrammar: llguidance lets a key be written only in its
+    canonical tokens, so there the model cannot be slower than the walk)."""
+    schema = {"type": "object", "properties": {f"a_rather_long_key_name_{i}": {"type": "string"}
+                                               for i in range(12)},
+              "required": [f"a_rather_long_key_name_{i}" for i in range(12)]}
+    m = guard(backend, info, schema, JsonLimits(19, 40), max_tokens)
+    text, ended = slow_walk(m, info, max_tokens)
+    assert ended, text[-200:]
+    jsonschema.validate(json.loads(text), schema)
+    m = guard(backend, info, schema, JsonLimits(19, 40), max_tokens)
+    m._path_failed = True                   # the control: closing tiers only, the model picks
+    text, ended = slow_walk(m, info, max_tokens)
+    assert ended == (backend.name == "llguidance")
+
+
 def test_the_schema_wins_over_the_caps(backend, info, adversary):
     """A minLength above the string cap and a minimum above the digit cap are still met."""
     schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 30},

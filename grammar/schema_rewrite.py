@@ -1,0 +1,245 @@
+"""Rewrites of a JSON schema into one that llguidance enforces exactly, or a stricter one (a subset of
+the valid documents, never a superset): `oneOf` over `required` lists, `if`/`then`/`else` keyed on
+property values, and strict mode's closed objects."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+# keywords whose values are schemas (a dict), lists of schemas, or maps of name -> schema;
+# everything else (enum, const, default, examples, ...) is data and is left alone
+_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+              "additionalProperties", "unevaluatedProperties", "unevaluatedItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+_ANNOTATIONS = ("title", "description", "$comment")
+
+
+def exclusive_required(branches: list) -> list | None:
+    """`oneOf` branches that differ only by `required` keys ("give either these or those", common in
+    real schemas) as `anyOf` branches that cannot both hold: each an object (a non-object meets every
+    `required` at once) that leaves out the keys the others require beyond its own. Exact where each
+    branch requires one key; otherwise a subset of the valid documents, never an invalid one. A
+    branch whose keys include another's can never be the only one to hold and is dropped. None if
+    the branches are not of this form."""
+    keys = []
+    for b in branches:
+        if not (isinstance(b, dict) and isinstance(b.get("required"), list)
+                and all(k in ("required", *_ANNOTATIONS) for k in b)
+                and all(isinstance(k, str) for k in b["required"])):
+            return None
+        keys.append(set(b["required"]))
+    out = []
+    for i, mine in enumerate(keys):
+        others = [theirs for j, theirs in enumerate(keys) if j != i]
+        if any(theirs <= mine for theirs in others):
+            continue
+        banned = sorted(set().union(*(theirs - mine for theirs in others)))
+        out.append({"type": "object", "required": sorted(mine), "properties": {k: False for k in banned}})
+    return out or None
+
+
+def _condition(node: Any) -> dict[str, list] | None:
+    """An `if` that only pins properties to `const` / `enum` values, as {key: allowed values}
+    (None for any other `if`)."""
+    if not isinstance(node, dict) or any(k not in ("properties", "required", "$schema", *_ANNOTATIONS) for k in node):
+        return None
+    props = node.get("properties")
+    if not isinstance(props, dict) or not props:
+        return None
+    cond = {}
+    for key, sub in props.items():
+        if not isinstance(sub, dict) or any(k not in ("const", "enum", "type", *_ANNOTATIONS) for k in sub):
+            return None
+        if "const" in sub:
+            cond[key] = [sub["const"]]
+        elif isinstance(sub.get("enum"), list) and sub["enum"]:
+            cond[key] = list(sub["enum"])
+        else:
+            return None
+    required = node.get("required", [])
+    if not isinstance(required, list) or any(k not in cond for k in required):
+        return None
+    return cond
+
+
+def _disjoint(a: dict[str, list], b: dict[str, list]) -> bool:
+    """Whether no document meets both conditions: some key is pinned to values that never meet."""
+    return any(not ({json.dumps(v, sort_keys=True) for v in a[k]} & {json.dumps(v, sort_keys=True) for v in b[k]})
+               for k in a.keys() & b.keys())
+
+
+def _only(node: Any, keys: tuple[str, ...]) -> bool:
+    return isinstance(node, dict) and all(k in keys or k in _ANNOTATIONS or k == "$schema" for k in node)
+
+
+def _cases(node: dict) -> tuple[list[tuple[dict, Any, str]], tuple[Any, str], list[tuple[Any, str]]] | None:
+    """The node's conditionals as (cases [(condition, then, then's pointer below the node)], (what
+    holds when none applies, its pointer), the `allOf` items left with theirs): an `if`/`then`/`else`
+    chain on the node, or `allOf` items that are each a bare `if`/`then`. None if the node has
+    neither or a condition is not of `_condition`'s form."""
+    cases: list[tuple[dict, Any, str]] = []
+    items = node.get("allOf", []) if isinstance(node.get("allOf"), list) else []
+    rest = [(item, f"/allOf/{i}") for i, item in enumerate(items)]
+    otherwise: tuple[Any, str] = ({}, "")
+    if "if" in node:
+        link, at = node, ""
+        while True:
+            cond = _condition(link["if"])
+            if cond is None:
+                return None
+            cases.append((cond, link.get("then", {}), f"{at}/then"))
+            otherwise = (link.get("else", {}), f"{at}/else")
+            if not (_only(otherwise[0], ("if", "then", "else")) and "if" in otherwise[0]):
+                break
+            link, at = otherwise[0], otherwise[1]
+    else:
+        kept = []
+        for item, at in rest:
+            if _only(item, ("if", "then")) and "if" in item:
+                cond = _condition(item["if"])
+                if cond is None:
+                    return None
+                cases.append((cond, item.get("then", {}), f"{at}/then"))
+            else:
+                kept.append((item, at))
+        rest = kept
+    return (cases, otherwise, rest) if cases else None
+
+
+def _escape(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def resolve_local_ref(root: Any, ref: str) -> Any:
+    """The target of a local `$ref` ("#" or a "#/..." JSON pointer), or None."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _moved_refs(node: Any, moves: list[tuple[str, str]]) -> Any:
+    """A copy of `node` whose `$ref`s into a moved subtree (old pointer, new pointer) follow it."""
+    if isinstance(node, list):
+        return [_moved_refs(x, moves) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _moved_refs(v, moves) for k, v in node.items()}
+    ref = out.get("$ref")
+    if isinstance(ref, str):
+        for old, new in moves:
+            if ref == old or ref.startswith(old + "/"):
+                out["$ref"] = new + ref[len(old):]
+                break
+    return out
+
+
+def conditional_branches(node: dict, root: Any = None, path: str = "#") -> dict | None:
+    """A node whose `if`/`then`/`else` (or `allOf` of `if`/`then`) conditions pin properties to values
+    ("if kind is cypress then ...", common in real schemas), with the conditionals as one `anyOf`:
+    a branch per case, requiring its pinned keys at their values together with its `then`, and a
+    branch for "no case applies" where a key every case pins has values (from the node's own
+    `enum` / `const` for it) that no case takes. Cases must pin some shared key to values that never
+    meet, so that exactly one applies. A document where a pinned key is absent (the `if` then holds
+    vacuously) or where no case applies otherwise is left out: a subset of the valid documents.
+    None if the node is not of this form. The result keeps its objects open (an `allOf`), since
+    the branches declare keys the node does not; a `then` that is only a local `$ref` is copied in
+    (its target may be closed by strict mode), and `$ref`s into the moved parts (`root`'s, the node
+    at pointer `path`) follow them."""
+    found = _cases(node)
+    if found is None:
+        return None
+    cases, (otherwise, otherwise_at), rest = found
+    conds = [c for c, _, _ in cases]
+    if any(not _disjoint(a, b) for i, a in enumerate(conds) for b in conds[i + 1:]):
+        return None
+    root = node if root is None else root
+    anyof_at = f"{path}/allOf/{len(rest)}/anyOf"
+    moves = [(f"{path}{at}", f"{path}/allOf/{i}") for i, (_, at) in enumerate(rest)]
+
+    def pinned(cond: dict[str, list]) -> dict:
+        return {"type": "object", "required": sorted(cond),
+                "properties": {k: {"enum": v} for k, v in cond.items()}}
+
+    def branch(cond: dict[str, list], then: Any, at: str) -> dict:
+        if then in ({}, True):
+            return pinned(cond)
+        if _only(then, ("$ref",)) and isinstance(then.get("$ref"), str) and isinstance(
+                target := resolve_local_ref(root, then["$ref"]), dict):
+            then = target
+        else:
+            moves.append((f"{path}{at}", f"{anyof_at}/{len(branches)}/allOf/1"))
+        return {"allOf": [pinned(cond), then]}
+
+    branches: list[dict] = []
+    for cond, then, at in cases:
+        branches.append(branch(cond, then, at))
+    props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    for key in set.intersection(*(set(c) for c in conds)):
+        sub = props.get(key)
+        values = ([sub["const"]] if isinstance(sub, dict) and "const" in sub
+                  else sub.get("enum") if isinstance(sub, dict) and isinstance(sub.get("enum"), list) else None)
+        taken = {json.dumps(v, sort_keys=True) for c in conds for v in c[key]}
+        left = [v for v in values or () if json.dumps(v, sort_keys=True) not in taken]
+        if left:
+            branches.append(branch({key: left}, otherwise, otherwise_at))
+            break
+    out = {k: v for k, v in node.items() if k not in ("if", "then", "else", "allOf")}
+    out["allOf"] = [*(item for item, _ in rest), {"anyOf": branches}]
+    moves.sort(key=lambda m: -len(m[0]))      # the deepest first: a then inside a moved else
+    return _moved_refs(out, moves)
+
+
+def strict_schema(node, in_all_of: bool = False, close: bool = True, *, root: Any = None, path: str = "#"):
+    """A copy of the schema for llguidance: `oneOf` over `required` lists made exclusive (see
+    `exclusive_required`), conditionals keyed on property values as branches (see
+    `conditional_branches`); and with `close`, objects that list `properties` and say nothing of other
+    keys forbid them (`additionalProperties: false`) — what xgrammar's strict mode does, so that a
+    model writes the declared keys and stops instead of inventing more. Branches of an `allOf` are
+    left open: closing each would forbid the keys the other branches declare. `root` and `path`
+    (the node's JSON pointer) let a rewrite keep `$ref`s into what it moves pointing right."""
+    root = node if root is None else root
+    if isinstance(node, list):
+        return [strict_schema(x, close=close, root=root, path=f"{path}/{i}") for i, x in enumerate(node)]
+    if not isinstance(node, dict):
+        return node
+    node = conditional_branches(node, root, path) or node
+    out = {}
+    for k, v in node.items():
+        at = f"{path}/{_escape(k)}"
+        if k in _SUBSCHEMA:
+            out[k] = strict_schema(v, close=close, root=root, path=at)
+        elif k == "oneOf" and "anyOf" not in node and isinstance(v, list) and (ex := exclusive_required(v)):
+            out["anyOf"] = ex
+        elif k in _SUBSCHEMA_LISTS and isinstance(v, list):
+            out[k] = [strict_schema(x, close=close, root=root, path=f"{at}/{i}") for i, x in enumerate(v)]
+        elif k == "allOf" and isinstance(v, list):
+            out[k] = [strict_schema(x, in_all_of=True, close=close, root=root, path=f"{at}/{i}")
+                      for i, x in enumerate(v)]
+        elif k in _SUBSCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: strict_schema(x, close=close, root=root, path=f"{at}/{_escape(name)}")
+                      for name, x in v.items()}
+        else:
+            out[k] = v
+    if not close:
+        return out
+    props = node.get("properties")
+    if (not in_all_of and isinstance(props, dict) and "allOf" not in node
+            # a required key the properties do not declare stays writable (closing would make it unsatisfiable)
+            and all(k in props for k in node.get("required", ()) if isinstance(k, str))
+            and not any(k in node for k in ("additionalProperties", "unevaluatedProperties", "patternProperties"))):
+        out["additionalProperties"] = False
+    return out
