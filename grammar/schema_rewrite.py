@@ -1,6 +1,6 @@
 """Rewrites of a JSON schema into one that llguidance enforces exactly, or a stricter one (a subset of
 the valid documents, never a superset): `oneOf` over `required` lists, `if`/`then`/`else` keyed on
-property values, and strict mode's closed objects."""
+property values, `not` / `dependencies` that keep keys out, and strict mode's closed objects."""
 from __future__ import annotations
 
 import json
@@ -203,6 +203,61 @@ def conditional_branches(node: dict, root: Any = None, path: str = "#") -> dict 
     return _moved_refs(out, moves)
 
 
+def _is_empty_schema(node: Any) -> bool:
+    return node is True or (isinstance(node, dict) and all(k in _ANNOTATIONS for k in node))
+
+
+def _into_branches(node: dict, key: str, dep: Any) -> bool:
+    """A dependency of `key` moved into the node's `oneOf` / `anyOf` branches: applied in those that
+    require `key`, `key` forbidden in the others. False (node unchanged) if no branch requires it."""
+    for keyword in ("oneOf", "anyOf"):
+        branches = node.get(keyword)
+        if isinstance(branches, list) and any(
+                isinstance(b, dict) and key in (b.get("required") or ()) for b in branches):
+            node[keyword] = [
+                {"allOf": [b, dep]} if isinstance(b, dict) and key in (b.get("required") or ())
+                else {"allOf": [b, {"properties": {key: False}}]} for b in branches]
+            return True
+    return False
+
+
+def absent_keys(node: dict) -> dict | bool:
+    """Keywords llguidance does not implement that say "this key must be absent", as what it does
+    implement: `not: {}` (nothing validates) as `false`; `not: {"required": [k, ...]}` as `k`
+    forbidden (exact for one key, the first key forbidden otherwise); `dependencies` /
+    `dependentRequired` / `dependentSchemas` on key k as k forbidden, or, where k is required, its
+    dependency applied. Subsets of the valid documents, never a superset."""
+    if "not" in node and _is_empty_schema(node["not"]) and all(k in ("not", *_ANNOTATIONS) for k in node):
+        return False
+    out = dict(node)
+    forbidden: list[str] = []
+    extra_schemas: list[Any] = []
+    sub = out.get("not")
+    if (isinstance(sub, dict) and set(sub) == {"required"} and isinstance(sub["required"], list)
+            and sub["required"] and all(isinstance(k, str) for k in sub["required"])):
+        del out["not"]
+        forbidden.append(sub["required"][0])
+    required = set(out.get("required", ())) if isinstance(out.get("required"), list) else set()
+    for keyword in ("dependencies", "dependentRequired", "dependentSchemas"):
+        deps = out.get(keyword)
+        if not isinstance(deps, dict):
+            continue
+        del out[keyword]
+        for key, dep in deps.items():
+            dep_schema = {"required": dep} if isinstance(dep, list) else dep
+            if key in required:
+                extra_schemas.append(dep_schema)
+            elif not _into_branches(out, key, dep_schema):
+                forbidden.append(key)
+    if forbidden:
+        props = dict(out["properties"]) if isinstance(out.get("properties"), dict) else {}
+        props.update(dict.fromkeys(forbidden, False))
+        out["properties"] = props
+    if extra_schemas:
+        out["allOf"] = [*out.get("allOf", []), *extra_schemas]
+    return out
+
+
 def strict_schema(node, in_all_of: bool = False, close: bool = True, *, root: Any = None, path: str = "#"):
     """A copy of the schema for llguidance: `oneOf` over `required` lists made exclusive (see
     `exclusive_required`), conditionals keyed on property values as branches (see
@@ -217,6 +272,9 @@ def strict_schema(node, in_all_of: bool = False, close: bool = True, *, root: An
     if not isinstance(node, dict):
         return node
     node = conditional_branches(node, root, path) or node
+    node = absent_keys(node)
+    if node is False:
+        return False
     out = {}
     for k, v in node.items():
         at = f"{path}/{_escape(k)}"

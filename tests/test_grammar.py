@@ -516,6 +516,38 @@ def test_conditionals_become_exact_branches(tokenizer, schema):
         assert (all(m.accept(t) for t in ids_of(tokenizer, text)) and m.can_end()) == ok, text
 
 
+ABSENT_LIKE = {  # not-required inside oneOf, dependencies of both kinds (JSONSchemaBench's o90940)
+    "type": "object", "properties": {"kind": {"enum": ["p", "q"]}, "a": {}, "b": {}, "c": {}, "d": {}},
+    "oneOf": [{"required": ["a", "b"]}, {"allOf": [{"not": {"required": ["b"]}}, {"required": ["c"]}]}],
+    "dependencies": {"a": {"properties": {"kind": {"const": "p"}}}, "d": ["c"]}}
+
+
+def test_keys_kept_out_are_enforced_exactly(tokenizer):
+    """`not: {required}`, `not: {}` and `dependencies` become forbidden keys or dependencies applied
+    where their key is required: the rewrite accepts only valid documents and llguidance compiles
+    it without relaxing anything (it had ignored them, leaving the output check to withhold)."""
+    import itertools
+
+    import jsonschema
+
+    from plait.grammar.schema_rewrite import strict_schema
+    rewritten = strict_schema(ABSENT_LIKE, close=False)
+    assert "not" not in json.dumps(rewritten) and "dependencies" not in rewritten
+    assert strict_schema({"properties": {"x": {"not": {}}}})["properties"]["x"] is False
+    values = {"kind": ["p", "q"], "a": [1], "b": [1], "c": [1], "d": [1]}
+    docs = [dict(zip(chosen, vals)) for n in range(6) for chosen in itertools.combinations(values, n)
+            for vals in itertools.product(*(values[k] for k in chosen))]
+    original, rewrite = jsonschema.Draft7Validator(ABSENT_LIKE), jsonschema.Draft7Validator(rewritten)
+    accepted = [d for d in docs if rewrite.is_valid(d)]
+    assert len(accepted) >= 4 and all(original.is_valid(d) for d in accepted)
+    g = make_backend("auto", tokenizer, VOCAB).compile(GrammarSpec.from_json_schema(ABSENT_LIKE))
+    assert g.backend_name == "llguidance" and not g.approximate
+    for text, ok in (('{"kind": "p", "a": 1, "b": 2}', True), ('{"kind": "q", "a": 1, "b": 2}', False),
+                     ('{"c": 1}', True), ('{"b": 1, "c": 1}', False), ('{"c": 1, "d": 1}', False)):
+        m = g.matcher()
+        assert (all(m.accept(t) for t in ids_of(tokenizer, text)) and m.can_end()) == ok, text
+
+
 def test_strict_mode_forbids_undeclared_keys(tokenizer):
     """xgrammar, llguidance and auto close objects that declare properties (strict mode, the
     default) so the model stops after the declared keys; strict_mode=False follows JSON Schema."""
