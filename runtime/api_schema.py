@@ -271,8 +271,19 @@ class ErrorResponse(_Open):
     error: ErrorBody
 
 
+class AnthropicErrorBody(_Open):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(_Open):
+    """Every non-200 answer of the Messages API (Anthropic's shape)."""
+    type: Literal["error"]
+    error: AnthropicErrorBody
+
+
 MODELS = (GenerateRequest, GenerateResult, AbortRequest, CompletionRequest, ChatCompletionRequest,
-          CompletionResponse, ChatCompletionResponse, ErrorResponse)
+          CompletionResponse, ChatCompletionResponse, ErrorResponse, AnthropicErrorResponse)
 ERROR_STATUSES = (400, 401, 404, 405, 413, 415, 503, 504)
 
 
@@ -286,14 +297,15 @@ def json_body(model: type[BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref(model)}}}}
 
 
-def responses(ok: dict[str, Any] | None = None, stream: bool = False) -> dict[int | str, Any]:
-    """`responses` of a route: 200 (`ok` as JSON, plus SSE when it streams) and the errors."""
+def responses(ok: dict[str, Any] | None = None, stream: bool = False,
+              error: type[BaseModel] = ErrorResponse) -> dict[int | str, Any]:
+    """`responses` of a route: 200 (`ok` as JSON, plus SSE when it streams) and the errors (`error`'s shape)."""
     content: dict[str, Any] = {"application/json": {"schema": ok or {}}}
     if stream:
         content["text/event-stream"] = {"schema": {"type": "string"}}
     out: dict[int | str, Any] = {200: {"description": "OK", "content": content}}
     for status in ERROR_STATUSES:
-        out[status] = {"description": "error", "content": {"application/json": {"schema": ref(ErrorResponse)}}}
+        out[status] = {"description": "error", "content": {"application/json": {"schema": ref(error)}}}
     return out
 
 

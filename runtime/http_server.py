@@ -202,7 +202,11 @@ class GuardMiddleware:
         if scope["type"] == "http":
             err = self._check(scope)
             if err is not None:
-                await err.response()(scope, receive, send)
+                if scope.get("path", "").startswith("/v1/messages"):   # Anthropic's clients read their own shape
+                    from .anthropic_api import error_response
+                    await error_response(err)(scope, receive, send)
+                else:
+                    await err.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -210,8 +214,11 @@ class GuardMiddleware:
         headers = Headers(scope=scope)
         if self.api_key is not None and scope.get("path") != "/health":
             scheme, _, token = headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
-                return ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
+            if scheme.lower() != "bearer":
+                token = headers.get("x-api-key", "")       # Anthropic's header
+            if not hmac.compare_digest(token.strip().encode(), self.api_key):
+                return ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>' "
+                                     "(or 'x-api-key: <key>')")
         length = headers.get("content-length")
         if length is not None:
             if not length.strip().isdigit():
@@ -798,7 +805,9 @@ def create_app(engine: Any, api_key: str | None = None, served_model_name: str |
     `request_timeout` (seconds) fails and aborts a generate request that runs longer (504);
     `log_requests` logs request bodies (prompts); `ready_message` is printed once the server is up.
     The OpenAPI description is at /openapi.json (behind the API key like every route but /health)."""
+    from .anthropic_api import add_anthropic_routes
     from .openai_api import add_openai_routes
+    from .tokenize_api import add_tokenize_routes
     if request_timeout is not None and not request_timeout > 0:
         raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}")
     state = ServerState(engine, served_model_name or str(engine.args.model), max_queued_requests,
@@ -821,6 +830,8 @@ def create_app(engine: Any, api_key: str | None = None, served_model_name: str |
     add_error_handlers(app)
     add_native_routes(app, state)
     add_openai_routes(app, state)
+    add_tokenize_routes(app, state)
+    add_anthropic_routes(app, state)
     app.add_middleware(GuardMiddleware, api_key=api_key)
     default_openapi = app.openapi
 

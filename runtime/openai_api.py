@@ -917,10 +917,17 @@ def _choice(req: OpenAIRequest, index: int, result: dict[str, Any]) -> dict[str,
             "logprobs": completion_logprobs(entries, 0, req.logprobs) if entries is not None else None}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """OpenAI `usage`."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI `usage`; `prompt_tokens_details.cached_tokens`: prompt tokens read from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def cached_prompt_tokens(results: list[dict[str, Any]]) -> int:
+    """Cached tokens of one prompt's n samples: the fewest any of them read from the cache, i.e. what
+    was cached before this request (the samples after the first read the prompt it computed)."""
+    return min(r["meta_info"]["cached_tokens"] for r in results)
 
 
 def _envelope(req: OpenAIRequest, state: ServerState, created: int, chunk: bool) -> dict[str, Any]:
@@ -946,8 +953,9 @@ async def _complete(state: ServerState, request: Request, req: OpenAIRequest) ->
     choices = [_choice(req, i, r) for i, r in enumerate(results)]
     prompt_tokens = sum(results[j * req.n]["meta_info"]["prompt_tokens"] for j in range(len(req.prompts)))
     completion_tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
+    cached = sum(cached_prompt_tokens(results[j * req.n:(j + 1) * req.n]) for j in range(len(req.prompts)))
     return json_response({**_envelope(req, state, int(time.time()), False), "choices": choices,
-                          "usage": usage(prompt_tokens, completion_tokens)})
+                          "usage": usage(prompt_tokens, completion_tokens, cached)})
 
 
 # --- streaming --------------------------------------------------------------------------------
@@ -960,6 +968,7 @@ class StreamShaper:
         self.text_len: dict[int, int] = {}
         self.tokens: dict[int, int] = {}
         self.prompt_tokens: dict[int, int] = {}     # per prompt
+        self.cached_tokens: dict[int, int] = {}     # per prompt (see cached_prompt_tokens)
         self.completion_tokens = 0
         self.tool_streams: dict[int, ToolStream] = {}
 
@@ -1009,12 +1018,16 @@ class StreamShaper:
             chunks.append(self._chunk(index, {} if self.req.chat else "", None, reason))
             meta = result["meta_info"]
             self.prompt_tokens[index // self.req.n] = meta["prompt_tokens"]
+            p = index // self.req.n
+            self.cached_tokens[p] = min(self.cached_tokens.get(p, meta["cached_tokens"]), meta["cached_tokens"])
             self.completion_tokens += meta["completion_tokens"]
         return chunks
 
     def usage_chunk(self) -> dict[str, Any]:
         """The final chunk of `stream_options.include_usage`."""
-        return {**self.env, "choices": [], "usage": usage(sum(self.prompt_tokens.values()), self.completion_tokens)}
+        cached = sum(self.cached_tokens.values())
+        return {**self.env, "choices": [], "usage": usage(sum(self.prompt_tokens.values()), self.completion_tokens,
+                                                          cached)}
 
 
 async def merge_streams(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int, dict]]:
@@ -1067,8 +1080,10 @@ def _constrained(req: OpenAIRequest) -> bool:
     return any(p.get(k) is not None for p in req.params for k in GRAMMAR_PARAMS)
 
 
-async def _stream(state: ServerState, request: Request, req: OpenAIRequest) -> Response:
-    rids = [f"{req.rid}-{k}" for k in range(len(req.prompts) * req.n)]
+async def open_engine_stream(state: ServerState, request: Request, req: OpenAIRequest, rids: list[str]
+                             ) -> tuple[Hold, AsyncIterator[tuple[int, dict]], tuple[int, dict] | None]:
+    """Admit a streamed request and open one engine stream per choice: (its hold, the merged
+    (choice, result) stream, the first result when the request is constrained, else None)."""
     hold = state.admit(rids, {req.rid: rids})   # the response id aborts every choice
     merged = None
     first: tuple[int, dict] | None = None
@@ -1088,6 +1103,12 @@ async def _stream(state: ServerState, request: Request, req: OpenAIRequest) -> R
             await merged.aclose()
         hold.close()
         raise
+    return hold, merged, first
+
+
+async def _stream(state: ServerState, request: Request, req: OpenAIRequest) -> Response:
+    rids = [f"{req.rid}-{k}" for k in range(len(req.prompts) * req.n)]
+    hold, merged, first = await open_engine_stream(state, request, req, rids)
     return EventStream(_events(state, req, hold, rids, merged, first), hold)
 
 

@@ -520,6 +520,14 @@ def create_router_app(router: Router, api_key: str | None = None, ready_message:
     async def models(request: Request) -> Response:
         return await router.any_replica(request, "GET", "/v1/models")
 
+    def any_replica(path: str) -> Callable:
+        async def forward(request: Request) -> Response:
+            return await router.any_replica(request, "POST", path)
+        return forward
+
+    for path in ("/tokenize", "/detokenize"):      # the same tokenizer on every replica
+        app.add_api_route(path, any_replica(path), methods=["POST"])
+
     @app.get("/get_server_info")
     @app.get("/server_info")
     async def server_info(request: Request) -> Response:

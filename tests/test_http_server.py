@@ -106,6 +106,42 @@ def test_chat(oai, engine):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == out.usage.completion_tokens
 
 
+def test_usage_reports_cached_prompt_tokens(oai, engine):
+    """usage.prompt_tokens_details.cached_tokens, read through the openai SDK: 0 for a prompt the cache
+    has not seen, nearly all of it when the same prompt comes again (streamed too); with n samples,
+    only what was cached before the request (the other samples read the first one's KV)."""
+    engine.flush_cache()
+    messages = [{"role": "user", "content": "A prompt for the cache counter, " + "long enough " * 8}]
+    first = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 1
+    chunks = list(oai.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 1
+    fresh = oai.completions.create(model="tiny", prompt="Four samples of a new prompt " * 6, n=4, max_tokens=2,
+                                   temperature=1.0, seed=5)
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_tokenize_and_detokenize(http, engine):
+    prompt = "Count the tokens of this prompt."
+    out = http.post("/tokenize", json={"prompt": prompt, "return_token_strs": True}).json()
+    assert out["tokens"] == engine.tokenizer(prompt).input_ids and out["count"] == len(out["tokens"])
+    assert out["token_strs"] == engine.tokenizer.convert_ids_to_tokens(out["tokens"])
+    assert out["max_model_len"] == engine.get_server_info()["context_length"]
+    messages = [{"role": "user", "content": "Hello!"}]
+    chat = http.post("/tokenize", json={"messages": messages}).json()
+    usage = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()["usage"]
+    assert chat["count"] == usage["prompt_tokens"]         # the same template as a chat request
+    back = http.post("/detokenize", json={"tokens": out["tokens"]}).json()
+    assert back["prompt"] == engine.tokenizer.decode(out["tokens"])
+    assert_error(http.post("/tokenize", json={"prompt": prompt, "messages": messages}), 400, "exactly one")
+    assert_error(http.post("/tokenize", json={"prompt": 3}), 400, "prompt")
+    assert_error(http.post("/detokenize", json={"tokens": [1, 10 ** 9]}), 400, "vocabulary")
+    assert_error(http.post("/detokenize", json={"tokens": "abc"}), 400, "tokens")
+
+
 def test_chat_n_logprobs(oai):
     out = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], n=3,
                                       max_completion_tokens=5, temperature=1.0, seed=3, logprobs=True,

@@ -259,6 +259,8 @@ def test_router_forwards_every_endpoint(replicas):
         assert chat.status_code == 200 and chat.text.rstrip().endswith("data: [DONE]")
         assert http.get("/v1/models").json()["data"][0]["id"] == "tiny"
         assert http.get("/get_model_info").json()["model_path"]
+        ids = http.post("/tokenize", json={"prompt": "Hello"}).json()["tokens"]
+        assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"].endswith("Hello")
         bad = http.post("/generate", content=b"{not json")
         assert bad.status_code == 400 and "error" in bad.json()          # the replica's own 400
         info = http.get("/get_server_info").json()
