@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request, Response
 
+from . import chat_adapter
 from .api_schema import AnthropicErrorResponse, responses
-from .http_server import ApiError, Hold, ServerState, json_response, read_json
-from .openai_api import (OpenAIRequest, StreamShaper, _engine_prompts, _message, finish_reason,
-                         open_engine_stream, parse_openai)
+from .http_server import ApiError, ServerState, json_response, read_json
+from .openai_api import OpenAIRequest, StreamShaper, _message, finish_reason, parse_openai
 
 # Anthropic's error `type` per HTTP status
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -177,7 +177,6 @@ class MessageStream:
         self.model = state.served_model_name
         self.block = -1                 # index of the open content block
         self.kind: str | None = None    # its type
-        self.calls: dict[int, int] = {}  # OpenAI tool_call index -> block index
 
     def start(self) -> list[str]:
         return [_event("message_start", {"type": "message_start", "message": {
@@ -205,23 +204,17 @@ class MessageStream:
     def update(self, result: dict[str, Any]) -> list[str]:
         """Events for one new cumulative result."""
         out: list[str] = []
-        for chunk in self.shaper.update(0, result):
-            choice = chunk["choices"][0]
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
+        for kind, value in chat_adapter.stream_parts(self.shaper, result):
+            if kind == "text":
                 if self.kind != "text":
                     out += self._open({"type": "text", "text": ""})
-                out += self._delta({"type": "text_delta", "text": delta["content"]})
-            for call in delta.get("tool_calls") or []:
-                if call["index"] not in self.calls:
-                    out += self._open({"type": "tool_use", "id": call.get("id") or "call_" + uuid.uuid4().hex[:24],
-                                       "name": call["function"]["name"], "input": {}})
-                    self.calls[call["index"]] = self.block
-                args = (call.get("function") or {}).get("arguments")
-                if args:
-                    out += self._delta({"type": "input_json_delta", "partial_json": args})
-            if choice.get("finish_reason"):
-                stop_reason, stop_sequence = _stop(result, choice["finish_reason"], self.stop_sequences)
+                out += self._delta({"type": "text_delta", "text": value})
+            elif kind == "call":
+                out += self._open({"type": "tool_use", "id": value[0], "name": value[1], "input": {}})
+            elif kind == "arguments":
+                out += self._delta({"type": "input_json_delta", "partial_json": value})
+            else:
+                stop_reason, stop_sequence = _stop(result, value, self.stop_sequences)
                 out += self._close()
                 out.append(_event("message_delta", {
                     "type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
@@ -238,47 +231,12 @@ async def _create(state: ServerState, request: Request) -> Response:
     req = parse_openai(state, chat, chat=True)
     stop_sequences = [s for s in chat.get("stop") or [] if isinstance(s, str)]
     mid = "msg_" + uuid.uuid4().hex
-    rids = [f"{req.rid}-0"]
     if req.stream:
-        hold, merged, first = await open_engine_stream(state, request, req, rids)
-        return _event_stream(state, req, hold, rids, merged, first, stop_sequences, mid)
-    with state.admit(rids, {req.rid: rids}) as hold:
-        results = await state.generate(request, hold, "messages", **_engine_prompts(req),
-                                       sampling_params=req.params, rid=rids)
-    return json_response(message(state, req, results[0], stop_sequences, mid))
-
-
-def _event_stream(state: ServerState, req: OpenAIRequest, hold: Hold, rids: list[str],
-                  merged: AsyncIterator[tuple[int, dict]], first: tuple[int, dict] | None,
-                  stop_sequences: list[str], mid: str) -> Response:
-    from .http_server import EventStream
-
-    async def events() -> AsyncIterator[str]:
-        stream = MessageStream(state, req, stop_sequences, mid)
-        for e in stream.start():
-            yield e
-        try:
-            if first is not None:
-                for e in stream.update(first[1]):
-                    yield e
-            while True:
-                try:
-                    _, result = await state.next_result(hold, merged)
-                except StopAsyncIteration:
-                    break
-                for e in stream.update(result):
-                    yield e
-                if result["meta_info"].get("finish_reason") is not None:
-                    hold.finish(rids[0])
-                    state.metrics.observe_result(result, hold.start)
-            state.metrics.count_request("messages", 200)
-        except ApiError as e:
-            hold.close()
-            yield _event("error", error_body(e))
-        finally:
-            await merged.aclose()
-
-    return EventStream(events(), hold)
+        shaper = MessageStream(state, req, stop_sequences, mid)
+        return await chat_adapter.stream(state, request, req, "messages", shaper.start(), shaper.update,
+                                         lambda e: _event("error", error_body(e)))
+    result = await chat_adapter.complete(state, request, req, "messages")
+    return json_response(message(state, req, result, stop_sequences, mid))
 
 
 def count_tokens(state: ServerState, body: dict[str, Any]) -> dict[str, int]:

@@ -807,6 +807,7 @@ def create_app(engine: Any, api_key: str | None = None, served_model_name: str |
     The OpenAPI description is at /openapi.json (behind the API key like every route but /health)."""
     from .anthropic_api import add_anthropic_routes
     from .openai_api import add_openai_routes
+    from .responses_api import add_responses_routes
     from .tokenize_api import add_tokenize_routes
     if request_timeout is not None and not request_timeout > 0:
         raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}")
@@ -832,6 +833,7 @@ def create_app(engine: Any, api_key: str | None = None, served_model_name: str |
     add_openai_routes(app, state)
     add_tokenize_routes(app, state)
     add_anthropic_routes(app, state)
+    add_responses_routes(app, state)
     app.add_middleware(GuardMiddleware, api_key=api_key)
     default_openapi = app.openapi
 
