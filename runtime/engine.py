@@ -51,6 +51,7 @@ class RequestState:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.meta_logprobs: dict[str, list] = {}
+        self.embedding: list[float] | None = None
         self.start = time.perf_counter()
         self.resamples_left = 0      # set by the engine: invalid JSON documents it may sample again
         self.resampled = 0
@@ -71,6 +72,8 @@ class RequestState:
     def update(self, out: TokenOutput) -> None:
         self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
         self.output_ids += out.new_ids
+        if out.embedding is not None:
+            self.embedding = out.embedding
         reason = out.finish_reason
         self.full_text += out.text_delta   # EOS / stop-token ids are already left out of it
         for key in ("input_logprobs", "input_top_logprobs", "output_logprobs", "output_top_logprobs"):
@@ -111,6 +114,8 @@ class RequestState:
             meta["json_resampled"] = self.resampled   # documents discarded for breaking the schema
         for key, val in self.meta_logprobs.items():
             meta[key] = [self._triples(v) for v in val] if key.endswith("top_logprobs") else self._triples(val)
+        if self.embedding is not None:
+            return {"embedding": self.embedding, "meta_info": meta}
         return {"text": self.text(streaming), "output_ids": list(self.output_ids), "meta_info": meta}
 
     def _triples(self, pairs: list | None) -> list | None:
@@ -176,12 +181,12 @@ class Engine:
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                  logprob_start_len: int = -1, top_logprobs_num: int = 0,
                  return_text_in_logprobs: bool = False, stream: bool = False,
-                 rid: str | list[str] | None = None) -> dict | list[dict] | Iterator[dict]:
+                 rid: str | list[str] | None = None, _embed: bool = False) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (a result dict), a list (a list of results, n per item), or stream
         one prompt (an iterator of cumulative results)."""
         batch, states, inputs = self._submit(prompt, sampling_params, input_ids, return_logprob,
                                              logprob_start_len, top_logprobs_num, return_text_in_logprobs,
-                                             rid, stream, strict=True)
+                                             rid, stream, strict=True, embed=_embed)
         channel: queue.SimpleQueue = queue.SimpleQueue()
         self._register(inputs, channel.put)
         if stream:
@@ -204,12 +209,12 @@ class Engine:
                              logprob_start_len: int = -1, top_logprobs_num: int = 0,
                              return_text_in_logprobs: bool = False, stream: bool = False,
                              rid: str | list[str] | None = None,
-                             strict: bool = True) -> dict | list[dict] | AsyncIterator[dict]:
+                             strict: bool = True, _embed: bool = False) -> dict | list[dict] | AsyncIterator[dict]:
         """Like `generate`, awaited; with `stream=True` returns an async iterator. `strict=False`
         ignores unknown sampling keys (the HTTP protocol's rule) instead of raising."""
         batch, states, inputs = self._submit(prompt, sampling_params, input_ids, return_logprob,
                                              logprob_start_len, top_logprobs_num, return_text_in_logprobs,
-                                             rid, stream, strict=strict)
+                                             rid, stream, strict=strict, embed=_embed)
         loop = asyncio.get_running_loop()
         channel: asyncio.Queue = asyncio.Queue()
         self._register(inputs, lambda out: loop.call_soon_threadsafe(channel.put_nowait, out))
@@ -227,6 +232,19 @@ class Engine:
         results = [s.result() for s in states]
         # a single prompt gives one result, or a list of n when it asks for n > 1
         return results if batch or len(results) > 1 else results[0]
+
+    def encode(self, prompt: str | list[str] | None = None, input_ids: list[int] | list[list[int]] | None = None,
+               rid: str | list[str] | None = None) -> dict | list[dict]:
+        """Embeddings (SGLang's `encode`): for each prompt `{"embedding": [float], "meta_info"}`, the last
+        prompt token's final hidden state, L2-normalized. Prefill-only requests through the same
+        scheduler, batches and prefix cache as generation."""
+        return self.generate(prompt, {"max_new_tokens": 0}, input_ids, rid=rid, _embed=True)
+
+    async def async_encode(self, prompt: str | list[str] | None = None,
+                           input_ids: list[int] | list[list[int]] | None = None,
+                           rid: str | list[str] | None = None) -> dict | list[dict]:
+        """`encode`, awaited."""
+        return await self.async_generate(prompt, {"max_new_tokens": 0}, input_ids, rid=rid, _embed=True)
 
     def abort(self, rid: str) -> None:
         """Abort a request by id; its KV is released and its result ends with reason `abort`."""
@@ -248,6 +266,11 @@ class Engine:
             procs = [self._client.process, *self._client.tp_workers]
             info["tp_ranks"] = [{"rank": i, "pid": p.pid, "alive": p.is_alive()} for i, p in enumerate(procs)]
         return info
+
+    @property
+    def hidden_size(self) -> int:
+        """The model's hidden size: the length of its embeddings (`encode`)."""
+        return self._info["hidden_size"]
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -293,7 +316,7 @@ class Engine:
 
     # --- internals -------------------------------------------------------------------------
     def _submit(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                top_logprobs_num, return_text_in_logprobs, rid, stream, strict):
+                top_logprobs_num, return_text_in_logprobs, rid, stream, strict, embed=False):
         self._check_running()
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt (text) and input_ids")
@@ -334,7 +357,7 @@ class Engine:
                                             return_logprob=return_logprob,
                                             logprob_start_len=start if return_logprob else -1,
                                             top_logprobs_num=top_logprobs_num if return_logprob else 0,
-                                            stream=stream))
+                                            stream=stream, return_embedding=embed))
                 state = RequestState(r, params, self.tokenizer, return_text_in_logprobs)
                 if params.json_schema and not stream and params.temperature > 0 and params.top_k != 1:
                     state.resamples_left = self.args.json_resample

@@ -46,6 +46,7 @@ class ForwardBatch:
     logits_index: torch.Tensor      # [N] flat positions whose logits the caller wants
     logits_all: bool = False        # logits_index is every position in order (a pure decode step)
     repeat: bool = False            # made by `advance`: the step before's rows, each one token further
+    keep_hidden: bool = False       # the model keeps the normed hidden states of the logits rows (embeddings)
 
     @property
     def advanceable(self) -> bool:

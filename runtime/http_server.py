@@ -48,7 +48,8 @@ FLUSH_WAIT_S = 5.0               # /flush_cache waits this long for running requ
 RETRY_AFTER_S = 1
 SSE_DONE = "data: [DONE]\n\n"
 # path -> `endpoint` label of the requests counter
-GENERATE_ENDPOINTS = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
+GENERATE_ENDPOINTS = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat",
+                      "/v1/responses": "responses", "/v1/embeddings": "embeddings"}
 
 _ERROR_DEFAULTS = {
     400: ("invalid_request_error", "invalid_request"),
@@ -806,6 +807,7 @@ def create_app(engine: Any, api_key: str | None = None, served_model_name: str |
     `log_requests` logs request bodies (prompts); `ready_message` is printed once the server is up.
     The OpenAPI description is at /openapi.json (behind the API key like every route but /health)."""
     from .anthropic_api import add_anthropic_routes
+    from .embeddings_api import add_embeddings_routes
     from .openai_api import add_openai_routes
     from .responses_api import add_responses_routes
     from .tokenize_api import add_tokenize_routes
@@ -834,6 +836,7 @@ def create_app(engine: Any, api_key: str | None = None, served_model_name: str |
     add_tokenize_routes(app, state)
     add_anthropic_routes(app, state)
     add_responses_routes(app, state)
+    add_embeddings_routes(app, state)
     app.add_middleware(GuardMiddleware, api_key=api_key)
     default_openapi = app.openapi
 

@@ -124,7 +124,7 @@ class ModelRunner:
         """Run one step; float32 logits `[len(batch.logits_index), vocab]`."""
         if self.channel is not None:
             self.channel.send(batch)
-        if self.graphs is not None:
+        if self.graphs is not None and not batch.keep_hidden:   # a graph keeps no hidden states
             logits = self.graphs.forward(batch)
             if logits is not None:
                 return logits

@@ -18,6 +18,9 @@ class GenerateInput(msgspec.Struct, kw_only=True, tag=True):
     return_logprob: bool = False
     logprob_start_len: int = -1          # first prompt position with an input logprob; -1: none
     top_logprobs_num: int = 0
+    # An embedding request (prefill only): its output carries the last prompt token's final hidden
+    # state (after the last norm), L2-normalized, as decoder embedding models are pooled.
+    return_embedding: bool = False
     # False (a caller that waits for the whole result): the scheduler process sends this request's
     # tokens once, when it finishes, instead of every step (SGLang does the same): at batch 1 each
     # output wakes the detokenizer and the caller's process while the next step runs on both cores.
@@ -36,6 +39,7 @@ class TokenOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     input_top_logprobs: list | None = None
     output_logprobs: list | None = None
     output_top_logprobs: list | None = None
+    embedding: list[float] | None = None
     # Detokenization options, attached by the scheduler to a request's first output only (the
     # detokenizer process keeps them for the rest of the request); absent: the defaults (True).
     skip_special_tokens: bool | None = None
@@ -55,6 +59,7 @@ class TokenOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
             input_top_logprobs=cat(self.input_top_logprobs, later.input_top_logprobs),
             output_logprobs=cat(self.output_logprobs, later.output_logprobs),
             output_top_logprobs=cat(self.output_top_logprobs, later.output_top_logprobs),
+            embedding=later.embedding if later.embedding is not None else self.embedding,
             skip_special_tokens=self.skip_special_tokens if self.skip_special_tokens is not None
             else later.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens
@@ -84,6 +89,7 @@ class Req:
                  "logprob_start_len", "top_logprobs_num", "row", "kv_len", "cached_len",
                  "last_node", "cached_tokens", "finish_reason", "prefilled", "input_logprobs",
                  "input_top_logprobs", "stop_tail_tokens", "stop_patterns", "arrival", "matcher", "num_draft",
+                 "return_embedding",
                  "draft_source", "ngram", "ngram_length")
 
     def __init__(self, inp: GenerateInput, arrival: int):
@@ -95,6 +101,7 @@ class Req:
         self.return_logprob = inp.return_logprob
         self.logprob_start_len = inp.logprob_start_len
         self.top_logprobs_num = inp.top_logprobs_num
+        self.return_embedding = inp.return_embedding
         self.row: int | None = None
         self.kv_len = 0
         self.cached_len = 0

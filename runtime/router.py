@@ -47,7 +47,7 @@ from .router_policy import RoutingPolicy, ids_to_text, make_policy
 
 logger = logging.getLogger("plait.router")
 
-GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/embeddings")
 HEALTH_INTERVAL_S = 5.0
 HEALTH_TIMEOUT_S = 5.0
 HEALTH_FAILURES_TO_DOWN = 2      # a timeout may be a busy machine; a refused connection is final at once
@@ -110,14 +110,17 @@ def routing_text(path: str, body: Any) -> str:
     characters, or chat messages' contents concatenated with their roles. '' if there is none."""
     if not isinstance(body, dict):
         return ""
-    if path == "/v1/chat/completions":
+    if path in ("/v1/chat/completions", "/v1/messages"):
         messages = body.get("messages")
         if not isinstance(messages, list):
             return ""
-        return "".join(f"{m.get('role')}: {_content_text(m.get('content'))}\n"
-                       for m in messages if isinstance(m, dict))
+        system = _content_text(body.get("system"))        # the Messages API's system prompt comes first
+        return (f"system: {system}\n" if system else "") + "".join(
+            f"{m.get('role')}: {_content_text(m.get('content'))}\n" for m in messages if isinstance(m, dict))
     if path == "/v1/completions":
         return _first_prompt(body.get("prompt"))
+    if path == "/v1/embeddings":
+        return _first_prompt(body.get("input"))
     if body.get("text") is not None:
         return _first_prompt(body.get("text"))
     return _first_prompt(body.get("input_ids"))

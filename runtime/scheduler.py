@@ -370,6 +370,7 @@ class Scheduler:
         batch = ForwardBatch.build(input_ids, rows, prefix_lens, extend_lens,
                                    locs[0] if len(locs) == 1 else torch.cat(locs), table, logits_index,
                                    device=self.runner.device)
+        batch.keep_hidden = any(req.return_embedding and req.kv_len + take == req.fill_len for req, take in prefill)
         return batch, rows_of
 
     def _process(self, prefill, decode, logits: torch.Tensor, rows_of) -> list[TokenOutput]:
@@ -393,6 +394,10 @@ class Scheduler:
                 self._release(req)
                 out = self._finish_output(req, {"type": "length", "length": 0}, [])
                 self._attach_input_logprobs(req, out)
+                if req.return_embedding:
+                    first, count = rows_of[id(req)]
+                    hidden = self.runner.model.last_hidden[first + count - 1].float()
+                    out.embedding = torch.nn.functional.normalize(hidden, dim=-1).tolist()
                 outputs.append(out)
                 continue
             if first_time and req.return_logprob and req.logprob_start_len >= 0:

@@ -174,6 +174,7 @@ def ready_info(scheduler: Any) -> dict[str, Any]:
     return {"model_path": runner.model_path, "tokenizer_path": runner.model_path,
             "context_len": scheduler.context_len, "num_slots": scheduler.num_slots,
             "vocab_size": runner.vocab_size, "eos_ids": sorted(scheduler.eos_ids),
+            "hidden_size": runner.config.hidden_size,
             "dtype": str(runner.dtype).removeprefix("torch."), "device": str(runner.device), "pid": os.getpid(),
             "tp_size": scheduler.args.tp_size}
 

@@ -6,6 +6,7 @@ import asyncio
 import re
 
 import pytest
+import torch
 
 import plait
 from conftest import assert_no_leak
@@ -102,6 +103,27 @@ def test_stop_regex_stops_at_the_completing_token(engine):
     assert out["text"] == engine.tokenizer.decode(ids[:k])     # SGLang keeps a regex's match
     with pytest.raises(ValueError, match="stop_regex"):
         engine.generate("x", {"max_new_tokens": 2, "stop_regex": "("})
+    assert_no_leak(engine)
+
+
+def test_encode_is_the_normalized_last_hidden_state(engine, tiny_model_dirs):
+    """Embeddings equal HF transformers' final hidden state (after the last norm) of the last prompt
+    token, L2-normalized: a short prompt, one longer than a prefill chunk (64 tokens here), and the
+    same two again once cached (two one-token prefills: a batch that looks like a decode step)."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["llama"], dtype=torch.float32).eval()
+    prompts = ["An embedding of this sentence", "A longer text to embed, " * 12]
+    outs = engine.encode(prompts)
+    again = engine.encode(prompts)
+    assert all(a["meta_info"]["cached_tokens"] > 0 and "text" not in a for a in again)
+    for prompt, out in zip(prompts + prompts, outs + again):
+        ids = engine.tokenizer(prompt).input_ids
+        with torch.no_grad():
+            h = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, -1]
+        emb = torch.tensor(out["embedding"])
+        assert out["meta_info"]["prompt_tokens"] == len(ids) and emb.shape == h.shape
+        assert abs(float(emb.norm()) - 1) < 1e-5
+        assert torch.allclose(emb, torch.nn.functional.normalize(h, dim=-1), atol=1e-4)
     assert_no_leak(engine)
 
 

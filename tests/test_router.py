@@ -158,6 +158,9 @@ def test_routing_text():
     chat = {"messages": [{"role": "system", "content": "be brief"},
                          {"role": "user", "content": [{"type": "text", "text": "hello"}]}]}
     assert routing_text("/v1/chat/completions", chat) == "system: be brief\nuser: hello\n"
+    messages = {"system": "be brief", "messages": [{"role": "user", "content": "hello"}]}
+    assert routing_text("/v1/messages", messages) == routing_text("/v1/chat/completions", chat)  # same prefix
+    assert routing_text("/v1/embeddings", {"input": ["doc one", "doc two"]}) == "doc one"
     assert routing_text("/generate", None) == "" and routing_text("/v1/completions", {"prompt": 3}) == ""
 
 

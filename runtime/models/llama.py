@@ -155,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor | None:
-        fused = self._begin_fused_decode(batch, backend)
+        fused = None if batch.keep_hidden else self._begin_fused_decode(batch, backend)
         if fused is not None and fused[2] and batch.logits_all:   # token ids to logits in one op
             return cpu_kernels.ops.decode_step(batch.input_ids, batch.positions, fused[0], *fused[1])
         x, delta = self.embed_tokens(batch.input_ids), None
@@ -166,9 +166,13 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:
                 x, delta = layer(x, delta, cos, sin, batch, backend)
         if batch.logits_all:   # every row's logits (decode): no gather of 2 x [rows, hidden]
-            return self.lm_head(self.norm(x, delta))
-        idx = batch.logits_index
-        return self.lm_head(self.norm(x.index_select(0, idx), delta.index_select(0, idx)))
+            hidden = self.norm(x, delta)
+        else:
+            idx = batch.logits_index
+            hidden = self.norm(x.index_select(0, idx), delta.index_select(0, idx))
+        if batch.keep_hidden:
+            self.last_hidden = hidden      # read right after this step by the scheduler (embeddings)
+        return self.lm_head(hidden)
 
     def _begin_fused_decode(self, batch: ForwardBatch, backend: AttentionBackend) -> tuple | None:
         """A steady decode step runs its layers in one `cpu_kernels.decode_layers_` call (the kernels
