@@ -28,6 +28,7 @@ backend's business; the guard only chooses among what the backend allows.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,6 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 FRACTION_DIGITS = 17     # a float64 holds 15-17 significant decimal digits
 EXPONENT_DIGITS = 3      # a float64's exponent stays within +-308
+PROBE_FLOOR = 64         # the first estimate at the latest this many tokens before max_tokens
 PROBE_STEPS = 1024       # the walk's length limit (a longer close counts as this)
 PROBE_EVERY = 4          # re-estimate at least this many tokens apart
 CLOSING_MARGIN = 2       # tokens kept beyond the estimate
@@ -102,6 +104,37 @@ def _scan(s: _State, data: bytes) -> _State:
             elif c in (0x7D, 0x5D):
                 depth -= 1
     return _State(in_string, escape, str_len, in_number, part, run, depth)
+
+
+def close_bound(schema: Any, root: Any = None, depth: int = 0) -> int:
+    """A generous estimate, from the schema alone, of the tokens the shortest document takes:
+    where the guard first walks the grammar (a walk costs a mask a step, so not at every request's
+    first token when its close is short). Required keys with their shortest values, minItems
+    items, minLength characters; a reference cycle or deep nesting counts as unbounded."""
+    from plait.grammar.schema_rewrite import resolve_local_ref
+    root = schema if root is None else root
+    if depth > 16 or not isinstance(schema, dict):
+        return 2 if depth <= 16 else 1 << 20
+    if isinstance(schema.get("$ref"), str):
+        target = resolve_local_ref(root, schema["$ref"])
+        return close_bound(target, root, depth + 1) if target is not None else 4
+    if "const" in schema or "enum" in schema:
+        values = [schema["const"]] if "const" in schema else schema["enum"] or [None]
+        return min(len(json.dumps(v)) for v in values) // 2 + 2
+    branches = [b for k in ("anyOf", "oneOf") for b in schema.get(k) or () if isinstance(b, dict)]
+    best = min((close_bound(b, root, depth + 1) for b in branches), default=0)
+    for part in schema.get("allOf") or ():
+        best += close_bound(part, root, depth + 1)
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    for key in schema.get("required") or ():
+        if isinstance(key, str):
+            best += len(key) // 2 + 4 + close_bound(props.get(key, {}), root, depth + 1)
+    items = schema.get("items")
+    if isinstance(schema.get("minItems"), int) and schema["minItems"] > 0:
+        best += schema["minItems"] * (2 + close_bound(items if isinstance(items, dict) else {}, root, depth + 1))
+    if isinstance(schema.get("minLength"), int):
+        best += schema["minLength"]
+    return best + 2
 
 
 def schema_string_bound(schema: Any) -> int:
@@ -170,11 +203,15 @@ class GuardTables:
 
     def longest(self, row: "torch.Tensor") -> int:
         """The allowed token of packed mask row `row` with the most bytes (the lowest id among
-        equals; EOS where it is the only one; -1 if none)."""
-        allowed = ((row.unsqueeze(-1) >> self._shifts32) & 1).flatten().bool()
-        if not bool(allowed.any()):
+        equals; EOS where it is the only one; -1 if none). Unpacks only the nonzero words: a
+        closing mask allows a few tokens."""
+        words = row.nonzero().flatten()
+        if not len(words):
             return -1
-        return int(torch.where(allowed, self.length, -1).argmax())
+        bits = (row[words].unsqueeze(-1) >> self._shifts32) & 1            # [words, 32]
+        ids = (words.unsqueeze(-1) * 32 + self._shifts32).flatten()
+        lengths = torch.where(bits.flatten().bool(), self.length[ids], -1)
+        return int(ids[lengths.argmax()])
 
     def digits(self, room: int) -> "torch.Tensor":
         """Tokens that start with at most `room` digits."""
@@ -204,7 +241,9 @@ class JsonGuard(Matcher):
         self._history: list[_State] = []
         self._scratch = torch.empty_like(tables.quote)
         self._probe = torch.empty(1, tables.quote.shape[0], dtype=torch.int32)
-        self._probe_at = max_tokens         # tokens left at the next estimate: the first, at once
+        # tokens left at the first estimate: soon enough for the schema's close, with room to spare
+        self._probe_at = min(max_tokens, PROBE_FLOOR + 2 * close_bound(schema)) if schema is not None \
+            else min(max_tokens, PROBE_FLOOR)
         self._need = 0                      # the last estimate of the shortest close
         self._closing_now = False
         self._path: list[int] | None = None  # while closing: the walk's tokens still to write

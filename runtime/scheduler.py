@@ -202,9 +202,26 @@ class Scheduler:
         if batch is None:
             batch, rows_of = self._build_batch(prefill, decode, decode_slots)
         self._last_decode = (decode, batch, rows_of) if batch.advanceable else None
-        logits = self.runner.forward(batch)
-        outputs += self._process(prefill, decode, logits, rows_of)
+        placed = [(r, r.kv_len, r.kv_len + take) for r, take in prefill] + [(r, r.kv_len, r.fill_len) for r in decode]
+        try:
+            logits = self.runner.forward(batch)
+            outputs += self._process(prefill, decode, logits, rows_of)
+        except BaseException:
+            self._recover(prefill, placed)
+            raise
         return outputs
+
+    def _recover(self, prefill: list[tuple[Req, int]], placed: list[tuple[Req, int, int]]) -> None:
+        """After a step that raised: free the slots it placed for tokens it did not compute, and put
+        its new requests in `running` (they hold table rows but were not there yet), so that
+        aborting what the scheduler holds, as the scheduler process then does, releases it all."""
+        for req, start, end in placed:
+            if req.row is not None and req.kv_len == start and end > start:
+                self.allocator.free(self.table.table[req.row, start:end].clone())
+        for req, _ in prefill:
+            if req is not self.chunked and req not in self.running and req.finish_reason is None:
+                self.running.append(req)
+        self._last_decode = None
 
     def _repeat_batch(self, decode: list[Req], decode_slots: torch.Tensor | None):
         """The step before's batch advanced by a token (`ForwardBatch.advance`) when this step decodes

@@ -325,6 +325,10 @@ def test_apply_token_bitmask(dtype):
             fn(out, bm)
             assert torch.equal(out, ref), (fn, vocab, logit_width, dtype)
             assert torch.isinf(out[:, bm.shape[1] * 32:]).all()   # past the bitmask: never allowed
+    with torch.inference_mode():       # as the model's logits are: in-place ops must still work outside
+        made = torch.randn(3, VOCAB).to(dtype)
+    apply_token_bitmask_(made, torch.zeros(3, VOCAB // 32, dtype=torch.int32))
+    assert torch.isinf(made).all()
     one = torch.randn(64)
     mask = torch.tensor([0x0F, 0], dtype=torch.int32)
     apply_token_bitmask_(one, mask)

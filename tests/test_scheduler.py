@@ -120,6 +120,28 @@ def test_abort_releases_everything(path):
     idle_accounting_ok(s)
 
 
+def test_a_failed_step_leaks_nothing(path, monkeypatch):
+    """A step that raises (a bug, a bad kernel) after admitting new requests: aborting what the
+    scheduler holds (as the scheduler process does) releases every row and slot, and requests
+    after it still run. Before, the new requests' table rows leaked until none were left."""
+    s = make(path, max_running_requests=4)
+    s.add_request(req("old", list(range(50, 90)), 20))
+    s.step()
+    for i in range(3):
+        s.add_request(req(f"new{i}", list(range(100 + 40 * i, 140 + 40 * i)), 20))
+    original = s._process
+    monkeypatch.setattr(s, "_process", lambda *a: (_ for _ in ()).throw(RuntimeError("injected")))
+    with pytest.raises(RuntimeError, match="injected"):
+        s.step()
+    monkeypatch.setattr(s, "_process", original)
+    for rid in ("old", "new0", "new1", "new2"):
+        assert s.abort_request(rid) is not None, rid
+    assert not s.has_work()
+    idle_accounting_ok(s)
+    s.add_request(req("after", list(range(700, 740)), 5))
+    assert len(run_all(s)["after"]) == 5
+
+
 def test_oversized_requests_rejected(path):
     s = make(path, max_total_tokens=64)
     with pytest.raises(ValueError, match="KV cache"):
