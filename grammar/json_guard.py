@@ -13,12 +13,16 @@ backend's business; the guard only chooses among what the backend allows.
   of at most min(that, 17) (a float64's precision), an exponent of at most 3 (its range);
 - strings: at most `max_string_length` characters (raised to the schema's largest `maxLength` or
   `minLength`), after which only tokens that close the string are allowed;
-- closing: from the first token the guard walks the grammar ahead of the model with the
+- closing: before the end (64 tokens plus twice an estimate from the schema's required keys, or
+  at once) the guard walks the grammar ahead of the model with the
   cheapest choices (close the string, stop the number, close a bracket, the shortest value; among
   those the longest token, so the fewest steps; rolled back after) to estimate the shortest way to
   finish the document: a walk as long as that close, a few steps for a small schema, hundreds
   where many keys are required and closing must start early. It walks again each time the slack
-  beyond the estimate has halved. Once the tokens left come within CLOSING_MARGIN of it, the
+  beyond the estimate has halved. Within twice the estimate the closing choices are preferred
+  (the model closes what it has open instead of opening, say, an array item with many required
+  keys that no longer fits). Once the tokens left come within a margin of it (CLOSING_MARGIN
+  and a CLOSING_SHARE of the estimate, as the model may deepen the document meanwhile), the
   document ends along that walk, token by token: the model's own closing choices can take longer
   (`" "` for `""`, an optional key), and a document that fitted would be cut. So a document that
   can still fit ends valid ("stop") instead of cut ("length"). Where the walk finds no close (a
@@ -43,7 +47,10 @@ EXPONENT_DIGITS = 3      # a float64's exponent stays within +-308
 PROBE_FLOOR = 64         # the first estimate at the latest this many tokens before max_tokens
 PROBE_STEPS = 1024       # the walk's length limit (a longer close counts as this)
 PROBE_EVERY = 4          # re-estimate at least this many tokens apart
-CLOSING_MARGIN = 2       # tokens kept beyond the estimate
+CLOSING_MARGIN = 2       # tokens kept beyond the estimate, plus a quarter of it: the model can
+CLOSING_SHARE = 4        # deepen the document (open a nested object) between two estimates
+SOFT_FACTOR = 2          # within this many times the estimate (plus SOFT_EXTRA) of the end, the
+SOFT_EXTRA = 16          # closing choices are preferred: nothing new is opened that may not fit
 _CLOSERS = frozenset(b"}] \n\t")
 _WS = frozenset(b" \n\t\r")
 _SHORT_VALUES = frozenset({b"0", b'""', b"[]", b"{}", b"null", b"true", b"false"})
@@ -246,6 +253,7 @@ class JsonGuard(Matcher):
             else min(max_tokens, PROBE_FLOOR)
         self._need = 0                      # the last estimate of the shortest close
         self._closing_now = False
+        self._soft = False                  # within twice the estimate: closing choices preferred
         self._path: list[int] | None = None  # while closing: the walk's tokens still to write
         self._path_failed = False           # the walk found no close: closing tiers only
 
@@ -264,16 +272,24 @@ class JsonGuard(Matcher):
         return [t.closer, t.value, t.opener] if closing else []
 
     def _closing(self) -> bool:
-        """Whether the tokens left are down to the shortest close (plus the margin)."""
+        """Whether the tokens left are down to the shortest close (plus the margin); sets `_soft`
+        when they are within twice it, where the closing choices are preferred so that the model
+        does not open what no longer fits (a new array item with many required keys)."""
         if self._closing_now:
             return True
         left = self.max_tokens - self.inner.num_accepted
         if left <= self._probe_at:
             self._need = self._shortest_close(limit=min(left, PROBE_STEPS))
-            # the next estimate when half the slack is spent: few walks while the end is far
-            self._probe_at = left - max(PROBE_EVERY, (left - self._need - CLOSING_MARGIN) // 2)
-        self._closing_now = left <= self._need + CLOSING_MARGIN
+            soft = SOFT_FACTOR * self._need + SOFT_EXTRA
+            # the next estimate when half the slack to the soft zone is spent (few walks while the
+            # end is far), inside it every few tokens
+            self._probe_at = left - max(PROBE_EVERY, (left - soft) // 2, self._need // 8 if left <= soft else 0)
+        self._soft = left <= SOFT_FACTOR * self._need + SOFT_EXTRA
+        self._closing_now = left <= self._need + self._margin()
         return self._closing_now
+
+    def _margin(self) -> int:
+        return CLOSING_MARGIN + self._need // CLOSING_SHARE
 
     def _close_path(self) -> list[int] | None:
         """The walk's tokens from here (None if it finds no close): computed when closing begins
@@ -342,7 +358,7 @@ class JsonGuard(Matcher):
                 r.zero_()
                 r[word] = -(1 << 31) if bit == 31 else 1 << bit
                 return
-        tiers = self._tiers(self.state, closing)
+        tiers = self._tiers(self.state, closing or self._soft)
         if tiers:
             self._narrow(bitmask[row], tiers)
 
