@@ -245,7 +245,7 @@ class JsonGuard(Matcher):
         self.string_cap = (max(limits.max_string_length, schema_string_bound(schema))
                            if limits.max_string_length > 0 else 0)
         self.state = _State()
-        self._history: list[_State] = []
+        self._history: list[tuple] = []     # per accepted token: what rollback restores (_saved)
         self._scratch = torch.empty_like(tables.quote)
         self._probe = torch.empty(1, tables.quote.shape[0], dtype=torch.int32)
         # tokens left at the first estimate: soon enough for the schema's close, with room to spare
@@ -280,13 +280,17 @@ class JsonGuard(Matcher):
         left = self.max_tokens - self.inner.num_accepted
         if left <= self._probe_at:
             self._need = self._shortest_close(limit=min(left, PROBE_STEPS))
-            soft = SOFT_FACTOR * self._need + SOFT_EXTRA
+            soft = self._soft_zone()
             # the next estimate when half the slack to the soft zone is spent (few walks while the
             # end is far), inside it every few tokens
             self._probe_at = left - max(PROBE_EVERY, (left - soft) // 2, self._need // 8 if left <= soft else 0)
-        self._soft = left <= SOFT_FACTOR * self._need + SOFT_EXTRA
+        self._soft = left <= self._soft_zone()
         self._closing_now = left <= self._need + self._margin()
         return self._closing_now
+
+    def _soft_zone(self) -> int:
+        """Tokens before the end where closing choices are preferred (at most the last half)."""
+        return min(SOFT_FACTOR * self._need + SOFT_EXTRA, self.max_tokens // 2)
 
     def _margin(self) -> int:
         return CLOSING_MARGIN + self._need // CLOSING_SHARE
@@ -338,12 +342,12 @@ class JsonGuard(Matcher):
     def accept(self, token_id: int) -> bool:
         if not self.inner.accept(token_id):
             return False
+        self._history.append(self._saved())
         if self._path:
             if self._path[0] == token_id:
-                self._path.pop(0)
+                self._path = self._path[1:]
             else:
                 self._path = None            # off the walk (jump-forward): walk again from here
-        self._history.append(self.state)
         if token_id < len(self.tables.token_bytes):
             self.state = _scan(self.state, self.tables.token_bytes[token_id])
         return True
@@ -371,9 +375,15 @@ class JsonGuard(Matcher):
     def rollback(self, n: int) -> None:
         self.inner.rollback(n)
         if n:
-            self._path, self._path_failed = None, False
-            self.state = self._history[-n]
+            (self.state, self._probe_at, self._need, self._closing_now, self._soft, self._path,
+             self._path_failed) = self._history[-n]
             del self._history[-n:]
+
+    def _saved(self) -> tuple:
+        """The guard's state before a token: a rollback (rejected drafts) restores all of it, so
+        its masks depend on the accepted tokens alone, as without speculation."""
+        return (self.state, self._probe_at, self._need, self._closing_now, self._soft, self._path,
+                self._path_failed)
 
     def forced_text(self) -> str:
         return self.inner.forced_text()

@@ -524,6 +524,9 @@ def test_api_key_on_every_route_but_health(engine, monkeypatch):
                 resp = c.request(method, path, headers=headers, json={"text": "x"})
                 if path == "/health":
                     assert resp.status_code == 200
+                elif path.startswith("/v1/messages"):   # Anthropic's error shape there
+                    assert resp.status_code == 401 and resp.json()["error"]["type"] == "authentication_error"
+                    assert "API key" in resp.json()["error"]["message"]
                 else:
                     assert_error(resp, 401, "API key")
             ok = c.request(method, path, headers={"Authorization": "Bearer k3y"},
