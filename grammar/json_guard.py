@@ -19,9 +19,9 @@ backend's business; the guard only chooses among what the backend allows.
   those the longest token, so the fewest steps; rolled back after) to estimate the shortest way to
   finish the document: a walk as long as that close, a few steps for a small schema, hundreds
   where many keys are required and closing must start early. It walks again each time the slack
-  beyond the estimate has halved. Within twice the estimate the closing choices are preferred
-  (the model closes what it has open instead of opening, say, an array item with many required
-  keys that no longer fits). Once the tokens left come within a margin of it (CLOSING_MARGIN
+  beyond the estimate has halved. Within twice the estimate (at most the last half of max_tokens)
+  the closing choices are preferred (the model closes what it has open instead of opening, say,
+  an array item with many required keys that no longer fits). Once the tokens left come within a margin of it (CLOSING_MARGIN
   and a CLOSING_SHARE of the estimate, as the model may deepen the document meanwhile), the
   document ends along that walk, token by token: the model's own closing choices can take longer
   (`" "` for `""`, an optional key), and a document that fitted would be cut. So a document that
