@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .base import Matcher
+from .schema_rewrite import resolve_local_ref
 
 if TYPE_CHECKING:  # pragma: no cover
     from .tokenizer_info import TokenizerInfo
@@ -118,7 +119,6 @@ def close_bound(schema: Any, root: Any = None, depth: int = 0) -> int:
     where the guard first walks the grammar (a walk costs a mask a step, so not at every request's
     first token when its close is short). Required keys with their shortest values, minItems
     items, minLength characters; a reference cycle or deep nesting counts as unbounded."""
-    from plait.grammar.schema_rewrite import resolve_local_ref
     root = schema if root is None else root
     if depth > 16 or not isinstance(schema, dict):
         return 2 if depth <= 16 else 1 << 20
@@ -254,7 +254,8 @@ class JsonGuard(Matcher):
         self._need = 0                      # the last estimate of the shortest close
         self._closing_now = False
         self._soft = False                  # within twice the estimate: closing choices preferred
-        self._path: list[int] | None = None  # while closing: the walk's tokens still to write
+        self._path: tuple[int, ...] | None = None  # while closing: the walk's tokens ...
+        self._step = 0                      # ... and how many of them are written
         self._path_failed = False           # the walk found no close: closing tiers only
 
     def _tiers(self, s: _State, closing: bool) -> list["torch.Tensor"]:
@@ -295,17 +296,19 @@ class JsonGuard(Matcher):
     def _margin(self) -> int:
         return CLOSING_MARGIN + self._need // CLOSING_SHARE
 
-    def _close_path(self) -> list[int] | None:
-        """The walk's tokens from here (None if it finds no close): computed when closing begins
-        and again whenever the document leaves it (jump-forward, a rollback)."""
+    def _next_forced(self) -> int | None:
+        """The walk's next token while closing (walked when closing begins, and again whenever the
+        document leaves the walk: jump-forward, a rollback); None if the walk found no close."""
         if self._path is None and not self._path_failed:
             path: list[int] = []
             left = self.max_tokens - self.inner.num_accepted
             if self._shortest_close(limit=min(left, PROBE_STEPS), path=path) <= left:
-                self._path = path
+                self._path, self._step = tuple(path), 0
             else:
                 self._path_failed = True
-        return self._path
+        if self._path is None or self._step >= len(self._path):
+            return None
+        return self._path[self._step]
 
     def _shortest_close(self, limit: int = PROBE_STEPS, path: list[int] | None = None) -> int:
         """Tokens (EOS included) to finish the document from here, taking the closing choices
@@ -343,9 +346,9 @@ class JsonGuard(Matcher):
         if not self.inner.accept(token_id):
             return False
         self._history.append(self._saved())
-        if self._path:
-            if self._path[0] == token_id:
-                self._path = self._path[1:]
+        if self._path is not None and self._step < len(self._path):
+            if self._path[self._step] == token_id:
+                self._step += 1
             else:
                 self._path = None            # off the walk (jump-forward): walk again from here
         if token_id < len(self.tables.token_bytes):
@@ -355,9 +358,9 @@ class JsonGuard(Matcher):
     def fill_mask(self, bitmask: "torch.Tensor", row: int) -> None:
         self.inner.fill_mask(bitmask, row)
         closing = self._closing()
-        if closing and not self.inner.can_end() and (path := self._close_path()):
+        if closing and not self.inner.can_end() and (forced := self._next_forced()) is not None:
             r = bitmask[row]
-            word, bit = divmod(path[0], 32)
+            word, bit = divmod(forced, 32)
             if (int(r[word]) >> bit) & 1:       # always, unless the grammar changed under the walk
                 r.zero_()
                 r[word] = -(1 << 31) if bit == 31 else 1 << bit
@@ -376,14 +379,14 @@ class JsonGuard(Matcher):
         self.inner.rollback(n)
         if n:
             (self.state, self._probe_at, self._need, self._closing_now, self._soft, self._path,
-             self._path_failed) = self._history[-n]
+             self._step, self._path_failed) = self._history[-n]
             del self._history[-n:]
 
     def _saved(self) -> tuple:
         """The guard's state before a token: a rollback (rejected drafts) restores all of it, so
         its masks depend on the accepted tokens alone, as without speculation."""
         return (self.state, self._probe_at, self._need, self._closing_now, self._soft, self._path,
-                self._path_failed)
+                self._step, self._path_failed)
 
     def forced_text(self) -> str:
         return self.inner.forced_text()
