@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 setup: $(STAMP)
 
 # Torch goes in first and pinned: a bare "torch" requirement would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml Makefile $(wildcard runtime/csrc/*)
+$(STAMP): pyproject.toml Makefile $(wildcard runtime/kernels/cpu/csrc/*)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
@@ -21,9 +21,9 @@ $(STAMP): pyproject.toml Makefile $(wildcard runtime/csrc/*)
 	$(PY) -m pip install -q --no-deps sglang==0.5.5
 	# Build the fused CPU kernels (cached under ~/.cache/torch_extensions), not in a server's start-up:
 	# the PLAIT_CPU_MARCH path (native by default) and every lower one this CPU runs, for the tests.
-	$(PY) -m plait.runtime.cpu_kernels
+	$(PY) -m plait.runtime.kernels.cpu.cpu_kernels
 	# Convert the GGUF once (cached under ~/.cache/plait) so the first run starts fast.
-	$(PY) -c "from plait.runtime.model_loader import resolve_model; print('default model:', resolve_model('smollm2'))"
+	$(PY) -c "from plait.runtime.model_executor.model_loader import resolve_model; print('default model:', resolve_model('smollm2'))"
 	touch $(STAMP)
 
 # The main job: serve the default model (SGLang-native and OpenAI APIs) on 127.0.0.1:30000.

@@ -46,7 +46,7 @@ set_openmp_defaults()
 # --- llama.cpp ------------------------------------------------------------------------------------
 def gguf_for(model: str) -> str | None:
     """The GGUF file behind `model` (the bundled default's, or a .gguf path); None for HF folders."""
-    from plait.runtime import model_loader
+    from plait.runtime.model_executor import model_loader
     if model.lower() in model_loader._DEFAULT_ALIASES:
         return model_loader._bundled_smollm2_gguf()
     return model if model.lower().endswith(".gguf") and os.path.isfile(model) else None
@@ -232,7 +232,7 @@ def run_programs(args, engine, llama) -> dict:
 def compare(args) -> dict:
     """Run the chosen workloads on every engine, alternating; returns the results and notes."""
     from plait.benchmarks.offline import hf_generate, load_hf, make_prompts
-    from plait.runtime.model_loader import load_tokenizer, resolve_model
+    from plait.runtime.model_executor.model_loader import load_tokenizer, resolve_model
 
     import plait
     tokenizer = load_tokenizer(resolve_model(args.model))

@@ -173,7 +173,7 @@ def run(args) -> dict:
     import dataclasses
 
     import plait
-    from plait.runtime.model_loader import resolve_model
+    from plait.runtime.model_executor.model_loader import resolve_model
     from plait.runtime.server_args import ServerArgs
     from transformers import AutoTokenizer
 

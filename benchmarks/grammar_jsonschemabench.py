@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
     path = args.tokenizer
     if path is None:
-        from plait.runtime.model_loader import resolve_model
+        from plait.runtime.model_executor.model_loader import resolve_model
         path = resolve_model("smollm2")
     tokenizer = AutoTokenizer.from_pretrained(path)
     args.vocab_size = args.vocab_size or len(tokenizer)

@@ -52,7 +52,7 @@ def bench_plait(args, prompts: list[str]) -> dict:
 def load_hf(model: str, dtype: str, threads: int):
     """(HF model, left-padding tokenizer) for `model` in `dtype` (auto: float32)."""
     import torch
-    from plait.runtime.model_loader import resolve_model
+    from plait.runtime.model_executor.model_loader import resolve_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
     torch.set_num_threads(threads)
     path = resolve_model(model)
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
 
-    from plait.runtime.model_loader import load_tokenizer, resolve_model
+    from plait.runtime.model_executor.model_loader import load_tokenizer, resolve_model
     prompts = make_prompts(load_tokenizer(resolve_model(args.model)), args.num_requests)
     result = {"config": vars(args), "load_avg": os.getloadavg(), "plait": bench_plait(args, prompts)}
     if not args.skip_hf:

@@ -11,7 +11,7 @@ For each configuration (float32 is the reference; bfloat16, int8 and int4 by def
     plait bench quality --num-prompts 8 --gen-len 64
     plait bench quality --configs float32 int8 int4   # weights only
     plait bench quality --configs float32 float32/kv-bfloat16   # a bfloat16 KV cache under float32
-    PLAIT_INT8_KERNEL=int8pack plait bench quality    # another CPU int8 kernel (runtime/quantization.py)
+    PLAIT_INT8_KERNEL=int8pack plait bench quality    # another CPU int8 kernel (runtime/layers/quantization.py)
 """
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def evaluate(model: str = "smollm2", configs: tuple[str, ...] = DEFAULT_CONFIGS,
              gen_len: int = 64, threads: int | None = None) -> dict:
     """Run every configuration against float32; returns per-config metrics."""
     from plait.benchmarks.offline import make_prompts
-    from plait.runtime.model_loader import load_tokenizer, resolve_model
+    from plait.runtime.model_executor.model_loader import load_tokenizer, resolve_model
     tok = load_tokenizer(resolve_model(model))
     prompt_ids = [tok.encode(p, add_special_tokens=False) for p in make_prompts(tok, num_prompts)]
     text_ids = tok.encode(TEXT, add_special_tokens=False)

@@ -38,7 +38,7 @@ def _huge_page_floats(n: int):
     """n float32 ones in huge pages (as plait's weights are, see weight_arena); None where the kernel
     refuses them."""
     import torch
-    from plait.runtime.weight_arena import huge_page_buffer
+    from plait.runtime.model_executor.weight_arena import huge_page_buffer
     raw = huge_page_buffer(n * 4)
     return None if raw is None else raw.view(torch.float32).fill_(1.0)
 
@@ -90,9 +90,9 @@ def measure_matmul(kind: str, m: int, n: int = 2048, k: int = 2048, reps: int = 
     """GFLOP/s of `[m, k] x [k, n]` for kind float32 / bfloat16 (prepacked oneDNN when available,
     as plait runs them), int8 or int4 (plait's Int8Linear / Int4Linear)."""
     import torch
-    from plait.runtime import cpu_kernels
-    from plait.runtime.prepack import PackedLinear, prepack_available
-    from plait.runtime.quantization import Int4Linear, Int8Linear
+    from plait.runtime.kernels.cpu import cpu_kernels
+    from plait.runtime.layers.prepack import PackedLinear, prepack_available
+    from plait.runtime.layers.quantization import Int4Linear, Int8Linear
     cpu_kernels.load()   # as a model's load does: the layers below take the fused kernels where they run
     w = torch.randn(n, k) * 0.02
     if kind in ("int8", "int4"):
@@ -175,8 +175,8 @@ def _kind(model_path: str, dtype: str, quantization: str | None) -> str:
         return quantization
     if dtype == "auto":
         import torch
-        from plait.runtime.model_loader import load_config
-        from plait.runtime.model_runner import resolve_dtype
+        from plait.runtime.model_executor.model_loader import load_config
+        from plait.runtime.model_executor.model_runner import resolve_dtype
         return str(resolve_dtype("auto", load_config(model_path), torch.device("cpu"))).removeprefix("torch.")
     return dtype
 
@@ -185,7 +185,7 @@ def roofline(model: str = "smollm2", dtype: str = "float32", quantization: str |
              threads: int | None = None, quick: bool = False) -> dict:
     """Decode ceilings for `model` on this machine: `batch1_tok_s` (bandwidth-bound) and
     `large_batch_tok_s` (compute-bound, at the best measured matmul throughput)."""
-    from plait.runtime.model_loader import load_config, resolve_model
+    from plait.runtime.model_executor.model_loader import load_config, resolve_model
     path = resolve_model(model)
     kind = _kind(path, dtype, quantization)
     machine = measure_machine(threads, quick)

@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from plait.benchmarks.serving import _free_port, _word_pool, launch_server
-    from plait.runtime.model_loader import load_tokenizer, resolve_model
+    from plait.runtime.model_executor.model_loader import load_tokenizer, resolve_model
     args = build_parser().parse_args(argv)
     for name in ("num_prefixes", "programs_per_prefix", "prefix_words", "turns", "output_len", "max_concurrency"):
         if getattr(args, name) < 1:

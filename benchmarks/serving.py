@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         import httpx
     except ImportError:
         raise SystemExit("plait bench serving needs httpx: pip install httpx (or the project's [test] extra)")
-    from plait.runtime.model_loader import load_tokenizer, resolve_model
+    from plait.runtime.model_executor.model_loader import load_tokenizer, resolve_model
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     launch = args.base_url is None
     if launch:

@@ -43,7 +43,7 @@ class Timer:
 
 
 def make_backend(name: str, pool):
-    from plait.runtime.attention import MirroredAttention, TorchNativeAttention
+    from plait.runtime.model_executor.attention import MirroredAttention, TorchNativeAttention
 
     from .attention import OldGatherAttention
     if name == "mirror":    # the pool here is sized to the workload, a server's is much larger
@@ -58,7 +58,7 @@ def profile(sched, batch: int, prompt_len: int, steps: int, seed: int = 0, break
     With a `probe` (roofline.BandwidthProbe) the steps run in `rounds` rounds with the read
     bandwidth measured before the first and after each: `paired`, (ms per step, mean GB/s of the
     measurements around it) per round."""
-    from plait.runtime import cpu_kernels
+    from plait.runtime.kernels.cpu import cpu_kernels
     from plait.runtime.request import GenerateInput
     from plait.runtime.sampling_params import SamplingParams
     rng = random.Random(seed)
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--paired-rounds", type=int, default=8,
                     help="batch 1: the steps in this many rounds, the read bandwidth measured around each (0: off)")
     args = ap.parse_args(argv)
-    from plait.runtime.scheduler import Scheduler
+    from plait.runtime.scheduler.scheduler import Scheduler
     batches = sorted(args.batch)
     scheds = {}
     # Room for every request's prompt and max_new_tokens (profile() asks for enough tokens to outlast
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
 def print_breakdown(results: dict) -> None:
     """The fused decode op's parts, ms per step, and each projection's weight stream in GB/s; then
     the rest of the forward (embedding, LM head, sampling's logits) and the scheduler's share."""
-    from plait.runtime.cpu_kernels import DECODE_PARTS
+    from plait.runtime.kernels.cpu.cpu_kernels import DECODE_PARTS
     rows = {k: r for k, r in results.items() if r.get("fused_steps")}
     if not rows:
         print("\n--breakdown: no step ran the fused decode op (kernels off, or a layer it does not run)")

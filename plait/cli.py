@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _listen(host: str, port: int):
     """(the bound listening socket, None), or (None, exit code) after saying why it cannot be had."""
-    from plait.runtime.http_server import bind_socket   # imports the server stack: only when serving
+    from plait.runtime.server.http_server import bind_socket   # imports the server stack: only when serving
     try:
         return bind_socket(host, port), None
     except OSError as e:
@@ -177,7 +177,7 @@ def _fail(message: str, code: int = 1) -> int:
 
 def serve(ns: argparse.Namespace) -> int:
     """`plait serve`: validate, bind the port (fail fast), load the model, serve until signalled."""
-    from plait.runtime.http_server import run_server
+    from plait.runtime.server.http_server import run_server
     from plait.runtime.server_args import ServerArgs
     if not 0 < ns.port < 65536:
         return _fail(f"--port must be in 1..65535, got {ns.port}", 2)
@@ -200,7 +200,7 @@ def serve(ns: argparse.Namespace) -> int:
         return rc
     try:
         if ns.dp_size > 1:
-            from plait.runtime.router import serve_data_parallel
+            from plait.runtime.router.router import serve_data_parallel
             serve_data_parallel({k: getattr(ns, k) for k in _ENGINE_OPTIONS if getattr(ns, k) is not None},
                                 ns.dp_size, ns.host, ns.port, ns.api_key, sock, _replica_flags(ns),
                                 log_level=ns.log_level)
@@ -224,7 +224,7 @@ def _replica_flags(ns: argparse.Namespace) -> list[str]:
 
 
 def _add_router_args(p: argparse.ArgumentParser) -> None:
-    from plait.runtime.router_policy import (DEFAULT_BALANCE_ABS_THRESHOLD, DEFAULT_BALANCE_REL_THRESHOLD,
+    from plait.runtime.router.policy import (DEFAULT_BALANCE_ABS_THRESHOLD, DEFAULT_BALANCE_REL_THRESHOLD,
                                              DEFAULT_CACHE_THRESHOLD, POLICIES)
     p.add_argument("--worker-urls", nargs="+", required=True, metavar="URL", help="the plait servers to route to")
     p.add_argument("--host", default=DEFAULT_HOST)
@@ -246,8 +246,8 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
 
 def router(ns: argparse.Namespace) -> int:
     """`plait router`: route over running plait servers until signalled."""
-    from plait.runtime.router import Router, run_router
-    from plait.runtime.router_policy import make_policy
+    from plait.runtime.router.router import Router, run_router
+    from plait.runtime.router.policy import make_policy
     if not 0 < ns.port < 65536:
         return _fail(f"--port must be in 1..65535, got {ns.port}", 2)
     if ns.health_interval <= 0:

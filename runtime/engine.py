@@ -25,12 +25,12 @@ from typing import Any, AsyncIterator, Callable, Iterator
 
 import msgspec
 
-from .detokenizer import stop_holdback, trim_stop
-from .model_loader import load_config, load_tokenizer, resolve_model
+from .managers.detokenizer import stop_holdback, trim_stop
+from .model_executor.model_loader import load_config, load_tokenizer, resolve_model
 from .output_check import schema_violation
 from .request import GenerateInput, TokenOutput
 from .sampling_params import SamplingParams
-from .scheduler_client import SchedulerClient
+from .managers.scheduler_client import SchedulerClient
 from .server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ class Engine:
         config = load_config(self.model_path)
         get_model_class(config)
         if self.args.speculative_draft_model:   # the draft model too, before the target loads
-            from .draft_model import check_vocab_size
+            from .speculative.draft_model import check_vocab_size
             draft_config = load_config(resolve_model(self.args.speculative_draft_model))
             get_model_class(draft_config)
             check_vocab_size(self.args.speculative_draft_model, draft_config.vocab_size, config.vocab_size)
@@ -434,7 +434,7 @@ class Engine:
 def run_worker_node(args: ServerArgs) -> int:
     """`plait serve --node-rank K` (K > 0): run this node's tensor-parallel ranks, which join rank 0
     at `args.dist_init_addr` and follow its batches, until they exit; 0 when all stopped cleanly."""
-    from .scheduler_process import openmp_environ, tp_worker_processes
+    from .managers.scheduler_process import openmp_environ, tp_worker_processes
     args = dataclasses.replace(args, model=resolve_model(args.model, revision=args.revision))
     procs = tp_worker_processes(args, None, os.getpid())
     with openmp_environ(args):

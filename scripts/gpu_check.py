@@ -38,7 +38,7 @@ def check(ok: bool, name: str, detail: str = "") -> bool:
 
 
 def make_runner(model: str, device: str, dtype: str, **kw):
-    from plait.runtime.model_runner import ModelRunner
+    from plait.runtime.model_executor.model_runner import ModelRunner
     from plait.runtime.server_args import ServerArgs
     return ModelRunner(ServerArgs(model=model, device=device, dtype=dtype, max_total_tokens=MAX_TOKENS, **kw))
 
@@ -47,7 +47,7 @@ def make_runner(model: str, device: str, dtype: str, **kw):
 def mode(runner, how: str):
     """Run `runner` eagerly ("eager"), from captured graphs ("graph", its own runner) or through
     the graph runner without capture ("replay")."""
-    from plait.runtime.cuda_graph import DecodeGraphRunner
+    from plait.runtime.model_executor.cuda_graph import DecodeGraphRunner
     saved = runner.graphs
     if how == "eager":
         runner.graphs = None
@@ -63,7 +63,7 @@ def generate(runner, prompts: list[list[int]], max_new: int, ignore_eos: bool = 
     """Greedy continuations of all prompts, batched in one scheduler."""
     from plait.runtime.request import GenerateInput
     from plait.runtime.sampling_params import SamplingParams
-    from plait.runtime.scheduler import Scheduler
+    from plait.runtime.scheduler.scheduler import Scheduler
     s = Scheduler(runner.args, runner)
     for i, ids in enumerate(prompts):
         s.add_request(GenerateInput(rid=str(i), input_ids=ids, seed=0, params=SamplingParams(
@@ -152,7 +152,7 @@ def decode_rate(runner, prompts: list[list[int]], max_new: int) -> float:
     """Tokens/s over the steps after the first (the prefill)."""
     from plait.runtime.request import GenerateInput
     from plait.runtime.sampling_params import SamplingParams
-    from plait.runtime.scheduler import Scheduler
+    from plait.runtime.scheduler.scheduler import Scheduler
     s = Scheduler(runner.args, runner)
     for i, ids in enumerate(prompts):
         s.add_request(GenerateInput(rid=str(i), input_ids=ids, seed=0, params=SamplingParams(
@@ -182,7 +182,7 @@ def main() -> int:
         backend = "TorchNativeAttention (no flash_attn)"
     print(f"device {torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))}), "
           f"torch {torch.__version__}, CUDA {torch.version.cuda}; eager decode attention: {backend}", flush=True)
-    from plait.runtime.model_loader import load_tokenizer, resolve_model
+    from plait.runtime.model_executor.model_loader import load_tokenizer, resolve_model
     tok = load_tokenizer(resolve_model(ns.model))
     prompts = [tok.encode(t) for t in PROMPTS]
     for step in (check_float32, check_bf16_and_quantized):

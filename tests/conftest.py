@@ -24,7 +24,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
-    from plait.runtime.model_loader import resolve_model
+    from plait.runtime.model_executor.model_loader import resolve_model
     return resolve_model("smollm2")
 
 
@@ -75,7 +75,7 @@ def tiny_model_dirs(tmp_path_factory, smollm2_path) -> dict[str, str]:
 def require_kernels(march: str | None = None) -> None:
     """Build the fused CPU kernels for `march` (default: the configured path); skip the test with
     the reason where they are not wanted or there is no compiler; fail where a build failed."""
-    from plait.runtime import cpu_kernels
+    from plait.runtime.kernels.cpu import cpu_kernels
     march = march or cpu_kernels.default_march()
     if cpu_kernels.build(march) is None:
         err = cpu_kernels.build_error(march)
@@ -158,6 +158,6 @@ def engine(smollm2_path):
 @pytest.fixture(scope="module")
 def url(engine):
     """`engine` behind the HTTP server on loopback (served as "smollm2"); its base URL."""
-    from plait.runtime.http_server import create_app
+    from plait.runtime.server.http_server import create_app
     with serve(create_app(engine, served_model_name="smollm2")) as base:
         yield base

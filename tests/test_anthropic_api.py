@@ -106,7 +106,7 @@ def test_errors_in_anthropic_shape(client, url, engine):
     raw = httpx.post(url + "/v1/messages", json={"model": "smollm2", "messages": ASK}, timeout=30)
     assert raw.status_code == 400
     assert raw.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": "max_tokens: field required"}}
-    from plait.runtime.http_server import create_app
+    from plait.runtime.server.http_server import create_app
     with serve(create_app(engine, api_key="s3cret", served_model_name="smollm2")) as base:
         good = anthropic.Anthropic(base_url=base, api_key="s3cret", max_retries=0)   # sends x-api-key
         assert good.messages.create(model="smollm2", max_tokens=2, messages=ASK).usage.output_tokens >= 1

@@ -11,7 +11,7 @@ import torch
 
 def test_roofline_counts_the_linear_weights(tiny_model_dirs):
     from plait.benchmarks.roofline import model_costs
-    from plait.runtime.model_loader import load_config
+    from plait.runtime.model_executor.model_loader import load_config
     from transformers import AutoModelForCausalLM
     for arch in ("llama", "qwen2"):   # tied and untied LM head
         path = tiny_model_dirs[arch]
@@ -50,8 +50,8 @@ def test_remeasure_keeps_the_better_of_two(monkeypatch):
 
 def test_kv_bytes_per_step_is_the_pools_slot_size(tiny_model_dirs):
     from plait.benchmarks.roofline import kv_bytes_per_step
-    from plait.runtime.memory_pool import KVPool
-    from plait.runtime.model_loader import load_config
+    from plait.runtime.mem_cache.memory_pool import KVPool
+    from plait.runtime.model_executor.model_loader import load_config
     config = load_config(tiny_model_dirs["qwen3"])   # head_dim apart from hidden / heads
     per_slot = KVPool.bytes_per_slot(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, torch.bfloat16)
     assert kv_bytes_per_step(config, 100, 2) == 100 * per_slot
@@ -79,7 +79,7 @@ def test_paired_fractions_take_each_rounds_own_bandwidth():
 
 def test_step_profile_breaks_the_fused_op_down(tiny_model_dirs, capsys):
     from plait.benchmarks.step_profile import main
-    from plait.runtime import cpu_kernels
+    from plait.runtime.kernels.cpu import cpu_kernels
     res = main(["--model", tiny_model_dirs["llama"], "--dtype", "float32", "--batch", "1", "--prompt-len", "16",
                 "--steps", "3", "--threads", "1", "--skip-roofline", "--breakdown"])
     out = capsys.readouterr().out
@@ -90,7 +90,7 @@ def test_step_profile_breaks_the_fused_op_down(tiny_model_dirs, capsys):
     assert r["fused_steps"] == 3                              # every timed step took the fused op
     assert set(r["parts_ms"]) == set(cpu_kernels.DECODE_PARTS) and all(v >= 0 for v in r["parts_ms"].values())
     assert 0 < sum(r["parts_ms"].values()) <= r["forward_ms"]   # the layers are part of the forward
-    from plait.runtime.model_loader import load_config
+    from plait.runtime.model_executor.model_loader import load_config
     c = load_config(tiny_model_dirs["llama"])
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     qkv_out = (c.num_attention_heads + 2 * c.num_key_value_heads) * head_dim

@@ -1,4 +1,4 @@
-"""Which builds of the fused CPU kernels a host makes (runtime/cpu_kernels.py): the ISA paths it
+"""Which builds of the fused CPU kernels a host makes (runtime/kernels/cpu/cpu_kernels.py): the ISA paths it
 tests, the cache key of each build, and what happens without a compiler or off x86-64."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from plait.runtime import cpu_kernels
+from plait.runtime.kernels.cpu import cpu_kernels
 
 ZEN4 = "fpu sse2 avx avx2 fma f16c bmi2 avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16 avx512_vnni"
 SAPPHIRE_RAPIDS = ZEN4 + " avx512_fp16 amx_bf16 amx_tile amx_int8"

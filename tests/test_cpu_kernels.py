@@ -1,4 +1,4 @@
-"""The fused CPU kernels (runtime/csrc/) against the eager PyTorch ops they replace:
+"""The fused CPU kernels (runtime/kernels/cpu/csrc/) against the eager PyTorch ops they replace:
 bfloat16 bit for bit where nothing is summed (HF's rounding at every step), float32 and the
 norms to summation-order noise, decode
 attention against SDPA over padded rows and strided views, for the vectorized (head_dim 64) and
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import require_kernels
-from plait.runtime import cpu_kernels
+from plait.runtime.kernels.cpu import cpu_kernels
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -262,7 +262,7 @@ def test_int8_rows_is_int8_gemv_in_another_layout(rows, x_dtype):
 
 
 def test_int8_linear_vnni_gemv_rows():
-    from plait.runtime.quantization import Int8Linear
+    from plait.runtime.layers.quantization import Int8Linear
     lin = Int8Linear(torch.randn(256, 128), None)
     x = torch.randn(2, 128)
     weight_only = lin(x.bfloat16()).float()
@@ -413,7 +413,7 @@ def _decode_logits(path: str, fused: bool, rows: int, prompt: int = 9, new: int 
     `keep`: gets the scheduler ("sched")."""
     from plait.runtime.request import GenerateInput
     from plait.runtime.sampling_params import SamplingParams
-    from plait.runtime.scheduler import Scheduler
+    from plait.runtime.scheduler.scheduler import Scheduler
     from plait.runtime.server_args import ServerArgs
     s = Scheduler(ServerArgs(model=path, max_total_tokens=4096, max_running_requests=rows, **args))
     if keep is not None:
@@ -579,7 +579,7 @@ def test_decode_layers_follow_the_mirror_when_it_grows(tiny_model_dirs, monkeypa
     attends the new blocks, and no plan keeps the old ones (2 rows: the first request leaves
     before the growth, its row count's plan must go too)."""
     skip_without_fused_op("float32")
-    from plait.runtime.decode_mirror import DecodeMirror
+    from plait.runtime.mem_cache.decode_mirror import DecodeMirror
     grown, resize = [], DecodeMirror._resize
     monkeypatch.setattr(DecodeMirror, "_resize", lambda self, rows, length: grown.append(length) or resize(self, rows, length))
     keep = {}

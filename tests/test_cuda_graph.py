@@ -1,4 +1,4 @@
-"""The decode graph runner (runtime/cuda_graph.py). On the CPU it runs in eager-replay mode (the
+"""The decode graph runner (runtime/model_executor/cuda_graph.py). On the CPU it runs in eager-replay mode (the
 static, padded tensors without capture), which tests the bucketing, padding and static inputs
 against the ordinary eager path; on CUDA (when present) the real capture and replay."""
 from __future__ import annotations
@@ -8,12 +8,12 @@ import contextlib
 import pytest
 import torch
 from conftest import assert_no_leak
-from plait.runtime.cuda_graph import DecodeGraphRunner, bs_buckets, kv_buckets
-from plait.runtime.memory_pool import PAD_SLOT
-from plait.runtime.model_runner import ModelRunner
+from plait.runtime.model_executor.cuda_graph import DecodeGraphRunner, bs_buckets, kv_buckets
+from plait.runtime.mem_cache.memory_pool import PAD_SLOT
+from plait.runtime.model_executor.model_runner import ModelRunner
 from plait.runtime.request import GenerateInput
 from plait.runtime.sampling_params import SamplingParams
-from plait.runtime.scheduler import Scheduler
+from plait.runtime.scheduler.scheduler import Scheduler
 from plait.runtime.server_args import ServerArgs
 
 # The static path sums the same float32 terms as the eager one in other orders: SDPA over a longer

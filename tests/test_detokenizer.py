@@ -5,14 +5,14 @@ when a request finishes."""
 from __future__ import annotations
 
 import pytest
-from plait.runtime.detokenizer_process import DetokenizerWorker
-from plait.runtime.ipc import Codec, Ready, RpcReply, ToDetokenizer, TokenOutputBatch
+from plait.runtime.managers.detokenizer_process import DetokenizerWorker
+from plait.runtime.managers.ipc import Codec, Ready, RpcReply, ToDetokenizer, TokenOutputBatch
 from plait.runtime.request import TokenOutput
 
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_path):
-    from plait.runtime.model_loader import load_tokenizer
+    from plait.runtime.model_executor.model_loader import load_tokenizer
     return load_tokenizer(smollm2_path)
 
 

@@ -264,7 +264,7 @@ def test_default_backend_accepts_engine(tiny):
 # --- integration: the real model behind a real server -----------------------------------------------
 @pytest.fixture(scope="module")
 def real_url(smollm2_path):
-    from plait.runtime.http_server import create_app
+    from plait.runtime.server.http_server import create_app
     with plait.Engine(model="smollm2", dtype="float32", max_total_tokens=8192, random_seed=0) as eng:
         with serve(create_app(eng)) as url:
             yield url

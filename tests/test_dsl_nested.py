@@ -28,7 +28,7 @@ def tiny(tiny_model_dirs):
 
 @pytest.fixture(scope="module")
 def tiny_url(tiny):
-    from plait.runtime.http_server import create_app
+    from plait.runtime.server.http_server import create_app
     with serve(create_app(tiny)) as url:
         yield url
 

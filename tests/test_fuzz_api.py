@@ -14,8 +14,8 @@ import torch
 from conftest import serve
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from plait.runtime.http_server import create_app
-from plait.runtime.memory_pool import ReqToTokenTable, TokenSlotAllocator
+from plait.runtime.server.http_server import create_app
+from plait.runtime.mem_cache.memory_pool import ReqToTokenTable, TokenSlotAllocator
 
 import plait
 
@@ -112,7 +112,7 @@ def test_server_answers_after_fuzzing(base_url, engine):
 # --- the detokenizer ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_path):
-    from plait.runtime.model_loader import load_tokenizer
+    from plait.runtime.model_executor.model_loader import load_tokenizer
     return load_tokenizer(smollm2_path)
 
 
@@ -135,7 +135,7 @@ def _splits(n: int) -> st.SearchStrategy[list[int]]:
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_detokenizer_any_bytes_any_split(tokenizer, byte_ids, data):
-    from plait.runtime.detokenizer import IncrementalDetokenizer
+    from plait.runtime.managers.detokenizer import IncrementalDetokenizer
     raw = data.draw(st.lists(st.sampled_from(sorted(byte_ids)), max_size=40).map(bytes)
                     | st.text(max_size=15).map(lambda s: s.encode()).filter(lambda b: all(x in byte_ids for x in b)),
                     label="bytes")

@@ -28,8 +28,8 @@ import httpx
 import msgspec
 import pytest
 from conftest import free_port, serve, wait_healthy
-from plait.runtime import http_server
-from plait.runtime.http_server import create_app
+from plait.runtime.server import http_server
+from plait.runtime.server.http_server import create_app
 from test_http_server import REPO, assert_error, sse_events, wait_no_kv
 
 import plait
@@ -544,7 +544,7 @@ def test_ipc_dir_is_private(engine):
 
 
 def test_sockets_carry_msgpack_never_pickle():
-    from plait.runtime import ipc
+    from plait.runtime.managers import ipc
     from plait.runtime.request import GenerateInput
     codec = ipc.Codec(ipc.ToScheduler)
     msg = ipc.AbortReq(rid="r")
@@ -580,7 +580,7 @@ def test_no_remote_code(tmp_path, tiny_model_dirs):
     """A model folder that asks for its own Python code is refused; the code never runs."""
     import shutil
 
-    from plait.runtime.model_loader import load_config
+    from plait.runtime.model_executor.model_loader import load_config
     folder = tmp_path / "evil"
     shutil.copytree(tiny_model_dirs["llama"], folder)
     marker = tmp_path / "ran"
@@ -602,7 +602,7 @@ def test_no_remote_code(tmp_path, tiny_model_dirs):
 
 
 def test_model_names_never_reach_outside(http, monkeypatch, tmp_path):
-    from plait.runtime import model_loader
+    from plait.runtime.model_executor import model_loader
     for name in ("../../etc/passwd", "/etc/passwd", "~/.ssh/id_rsa"):   # a client's `model`: a name, never a path
         assert_error(http.post("/v1/completions", json={"model": name, "prompt": "x"}), 404, "does not exist")
 

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 import plait
-from plait.runtime.http_server import create_app
+from plait.runtime.server.http_server import create_app
 from conftest import free_port, serve
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}

@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from plait.runtime import cpu_kernels
-from plait.runtime.forward_batch import ForwardBatch
-from plait.runtime.memory_pool import ReqToTokenTable, TokenSlotAllocator
-from plait.runtime.model_runner import ModelRunner
+from plait.runtime.kernels.cpu import cpu_kernels
+from plait.runtime.model_executor.forward_batch import ForwardBatch
+from plait.runtime.mem_cache.memory_pool import ReqToTokenTable, TokenSlotAllocator
+from plait.runtime.model_executor.model_runner import ModelRunner
 from plait.runtime.server_args import ServerArgs
 
 from conftest import TINY_ARCHS, require_kernels
@@ -181,7 +181,7 @@ def test_packed_linear_bfloat16_rows(rows, onednn, small_gemm, monkeypatch):
     product up to one bfloat16 rounding of the output."""
     import sys
 
-    from plait.runtime import prepack
+    from plait.runtime.layers import prepack
     if not prepack.prepack_available():
         pytest.skip("this torch has no oneDNN prepacked linear")
     cpu_kernels.load()
@@ -210,7 +210,7 @@ def test_packed_linear_float32_rows(rows, bias, small_gemm, monkeypatch):
     """Up to 64 float32 rows go through small_gemm where it runs, else (one row, two threads) the
     two-core batched GEMV (both halves of the output, in order); more rows through oneDNN's GEMM:
     all equal F.linear."""
-    from plait.runtime.prepack import PackedLinear, prepack_available
+    from plait.runtime.layers.prepack import PackedLinear, prepack_available
     if not prepack_available():
         pytest.skip("this torch has no oneDNN prepacked linear")
     cpu_kernels.load()

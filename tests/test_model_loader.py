@@ -1,4 +1,4 @@
-"""Tests for plait.runtime.model_loader: model= resolution, GGUF conversion and its cache."""
+"""Tests for plait.runtime.model_executor.model_loader: model= resolution, GGUF conversion and its cache."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from plait.runtime import model_loader
-from plait.runtime.model_loader import (
+from plait.runtime.model_executor import model_loader
+from plait.runtime.model_executor.model_loader import (
     ModelNotFoundError,
     default_cache_dir,
     load_config,

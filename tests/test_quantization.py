@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from plait.runtime.quantization import (
+from plait.runtime.layers.quantization import (
     Fp8Linear,
     Int4Linear,
     Int8Linear,
@@ -141,7 +141,7 @@ def perplexity(h: Harness, ids: list[int]) -> float:
 @pytest.mark.integration
 def test_smollm2_int8_close_to_float32(smollm2_path):
     from plait.benchmarks.quality import TEXT
-    from plait.runtime.model_loader import load_tokenizer
+    from plait.runtime.model_executor.model_loader import load_tokenizer
     tok = load_tokenizer(smollm2_path)
     prompts = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=True, add_generation_prompt=True)
                for c in ("What is the capital of France?", "Write a haiku about the sea.",
@@ -220,7 +220,7 @@ def test_int4_recovers_the_bundled_gguf_codes():
     import numpy as np
     from gguf import GGUFReader
     from gguf.quants import dequantize
-    from plait.runtime.model_loader import _bundled_smollm2_gguf
+    from plait.runtime.model_executor.model_loader import _bundled_smollm2_gguf
     t = next(t for t in GGUFReader(_bundled_smollm2_gguf()).tensors if t.name == "blk.3.ffn_down.weight")
     assert t.tensor_type.name == "Q4_1"
     w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))   # [576, 1536]
@@ -246,7 +246,7 @@ def test_int4_dequantized_within_half_a_step():
 @pytest.mark.parametrize("bias", [False, True])       # kernel up to 9), the bf16 copy from there on;
 @pytest.mark.parametrize("gemv,all_rows", [(True, False), (True, True), (False, False)])   # or the GEMV for all
 def test_int4_linear_matches_dequantized(rows, bias, gemv, all_rows, monkeypatch):
-    from plait.runtime import cpu_kernels
+    from plait.runtime.kernels.cpu import cpu_kernels
     cpu_kernels.load()
     if gemv and not cpu_kernels.int4_gemv_available():
         pytest.skip("no AVX512-VNNI or AVX2")
@@ -279,7 +279,7 @@ def test_int4_linear_matches_dequantized(rows, bias, gemv, all_rows, monkeypatch
 
 
 def test_int4_kernel_constraints_fall_back(monkeypatch):
-    import plait.runtime.quantization as quant
+    import plait.runtime.layers.quantization as quant
     torch.manual_seed(6)
     x = torch.randn(1, 64)
     # N not a multiple of 16: no int4 kernel, the bf16 copy serves every row
@@ -304,7 +304,7 @@ def test_int4_kernel_constraints_fall_back(monkeypatch):
 
 def dequantized_reference(path: str) -> Harness:
     """A float32 model whose linear weights are the int4 ones dequantized (LM head: int8's)."""
-    from plait.runtime.parallel import ParallelLMHead
+    from plait.runtime.distributed.parallel import ParallelLMHead
     h = Harness(path)
     with torch.no_grad():
         for mod in list(h.runner.model.modules()):
@@ -319,7 +319,7 @@ def test_tiny_int4_model_through_engine(tiny_model_dirs):
     """The Engine with quantization=int4 generates what the int4 model computes directly, and its
     first greedy tokens are those of a float32 model holding the dequantized weights."""
     from conftest import assert_no_leak
-    from plait.runtime.parallel import ParallelLMHead
+    from plait.runtime.distributed.parallel import ParallelLMHead
 
     import plait
     path = tiny_model_dirs["qwen2"]   # untied LM head and q/k/v biases
@@ -350,7 +350,7 @@ def test_smollm2_int4_closer_to_float32_than_int8(smollm2_path):
     text) and over decode steps (one row: `int4_gemv` where it runs; measured on 48 steps: KL
     0.00107, torch's int4 kernel 0.00121, int8 0.00461)."""
     from plait.benchmarks.quality import TEXT
-    from plait.runtime.model_loader import load_tokenizer
+    from plait.runtime.model_executor.model_loader import load_tokenizer
     ids = load_tokenizer(smollm2_path).encode(TEXT, add_special_tokens=False)
     n = 16   # decode steps at the end of the text
 

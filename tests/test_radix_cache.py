@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
-from plait.runtime.memory_pool import TokenSlotAllocator
-from plait.runtime.radix_cache import NaiveCache, RadixCache
+from plait.runtime.mem_cache.memory_pool import TokenSlotAllocator
+from plait.runtime.mem_cache.radix_cache import NaiveCache, RadixCache
 
 
 def free_slots(alloc: TokenSlotAllocator) -> list[int]:

@@ -14,9 +14,9 @@ import time
 import httpx
 import pytest
 from conftest import free_port, serve, wait_healthy
-from plait.runtime.http_server import create_app
-from plait.runtime.router import Router, create_router_app, label_metrics, routing_text
-from plait.runtime.router_policy import (
+from plait.runtime.server.http_server import create_app
+from plait.runtime.router.router import Router, create_router_app, label_metrics, routing_text
+from plait.runtime.router.policy import (
     CacheAwarePolicy,
     PrefixTree,
     RoundRobinPolicy,

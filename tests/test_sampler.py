@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from plait.runtime.sampler import Sampler, SamplingBatch, exponentials, row_key, token_hash
+from plait.runtime.layers.sampler import Sampler, SamplingBatch, exponentials, row_key, token_hash
 from plait.runtime.sampling_params import SamplingParams as SP
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from plait.runtime.request import GenerateInput
 from plait.runtime.sampling_params import SamplingParams
-from plait.runtime.scheduler import INDEXED_ROWS_MIN, Scheduler
+from plait.runtime.scheduler.scheduler import INDEXED_ROWS_MIN, Scheduler
 from plait.runtime.server_args import ServerArgs
 
 
@@ -215,7 +215,7 @@ def test_repeated_decode_steps_advance_the_batch_and_equal_built_ones(path):
 
 def test_table_entries_are_a_view_of_the_row_range():
     import torch
-    from plait.runtime.memory_pool import ReqToTokenTable
+    from plait.runtime.mem_cache.memory_pool import ReqToTokenTable
     t = ReqToTokenTable(3, 10)
     t.entries(1, 4, 3).copy_(torch.tensor([7, 8, 9]))
     assert t.table[1].tolist() == [0, 0, 0, 0, 7, 8, 9, 0, 0, 0] and int(t.table.sum()) == 24

@@ -14,7 +14,7 @@ import pytest
 
 sgl = pytest.importorskip("sglang", reason="sglang frontend not installed (pip install --no-deps sglang==0.5.5)")
 
-from plait.runtime.http_server import create_app  # noqa: E402
+from plait.runtime.server.http_server import create_app  # noqa: E402
 from conftest import serve  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -183,7 +183,7 @@ def test_run_batch(backend):
 
 
 def plait_tokens(text: str) -> list[int]:
-    from plait.runtime.model_loader import load_tokenizer, resolve_model
+    from plait.runtime.model_executor.model_loader import load_tokenizer, resolve_model
     return load_tokenizer(resolve_model("smollm2"))(text).input_ids
 
 

@@ -10,14 +10,14 @@ import os
 import jsonschema
 import pytest
 import torch
-from plait.runtime.draft_model import DraftModel
-from plait.runtime.model_runner import ModelRunner
+from plait.runtime.speculative.draft_model import DraftModel
+from plait.runtime.model_executor.model_runner import ModelRunner
 from plait.runtime.request import GenerateInput
-from plait.runtime.sampler import Sampler, SamplingBatch
+from plait.runtime.layers.sampler import Sampler, SamplingBatch
 from plait.runtime.sampling_params import SamplingParams
-from plait.runtime.scheduler import Scheduler
+from plait.runtime.scheduler.scheduler import Scheduler
 from plait.runtime.server_args import ServerArgs
-from plait.runtime.speculative import NgramIndex, accepted_prefix
+from plait.runtime.speculative.ngram import NgramIndex, accepted_prefix
 
 # --- the draft index ---------------------------------------------------------------------------
 
@@ -338,7 +338,7 @@ def test_json_schema_identical_and_valid(smol_runner):
 def test_engine_reports_acceptance(smollm2_path):
     """get_server_info and the metrics carry the acceptance counters (the process path)."""
     from conftest import assert_no_leak
-    from plait.runtime.server_metrics import ServerMetrics
+    from plait.runtime.server.metrics import ServerMetrics
 
     import plait
     with plait.Engine(model="smollm2", dtype="float32", max_total_tokens=4096,
@@ -358,7 +358,7 @@ def test_engine_reports_acceptance(smollm2_path):
 def test_greedy_grammar_drafts_only_at_small_batches(tiny_runner, monkeypatch):
     """Above the batch threshold greedy constrained requests decode one token per step (no
     forced-text drafts): the same text, no jump-forward tokens."""
-    import plait.runtime.scheduler as sched
+    import plait.runtime.scheduler.scheduler as sched
     schema = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
                          "required": ["name"]})
     def reqs():
@@ -588,7 +588,7 @@ def test_draft_args_errors(kw, message):
 def test_engine_draft_model(tiny_model_dirs):
     """The process path: a draft-model engine reports its acceptance and holds no draft slot idle."""
     from conftest import assert_no_leak
-    from plait.runtime.server_metrics import ServerMetrics
+    from plait.runtime.server.metrics import ServerMetrics
 
     import plait
     path = tiny_model_dirs["llama"]
@@ -615,7 +615,7 @@ def test_engine_checks_the_draft_model_first(tiny_model_dirs, tmp_path):
 def test_draft_length_adapts():
     """Fully kept rounds double the draft length (to the maximum), a partial one sets it to what
     was kept plus one, nothing kept pauses drafting 1, 2, 4 ... rounds until a draft is kept."""
-    from plait.runtime.speculative import MAX_PAUSE, DraftLength
+    from plait.runtime.speculative.ngram import MAX_PAUSE, DraftLength
     n = DraftLength(8)
     assert n.take() == 8
     n.record(3, 2)
@@ -644,7 +644,7 @@ def test_draft_length_adapts():
 
 
 def test_draft_state_counts_what_the_committed_ids_kept():
-    from plait.runtime.draft_model import _DraftState
+    from plait.runtime.speculative.draft_model import _DraftState
     st = _DraftState(row=0, max_k=8)
     base = [1, 2, 3]
 

@@ -19,10 +19,10 @@ import pytest
 
 import plait
 from conftest import assert_no_leak, free_port
-from plait.runtime import parallel
+from plait.runtime.distributed import parallel
 from plait.runtime.request import GenerateInput
 from plait.runtime.sampling_params import SamplingParams
-from plait.runtime.scheduler import Scheduler
+from plait.runtime.scheduler.scheduler import Scheduler
 from plait.runtime.server_args import ServerArgs
 
 TOL = 1e-4
@@ -204,8 +204,8 @@ def _step_logits(s: Scheduler, seen: list, n: int) -> list:
 def _rank_main(args: ServerArgs, rank: int, results) -> None:
     """One tensor-parallel rank, as the engine's processes run it: rank 0 schedules and records
     the logits of every step; rank 1 follows."""
-    from plait.runtime.model_runner import ModelRunner
-    from plait.runtime.parallel import exit_rank
+    from plait.runtime.model_executor.model_runner import ModelRunner
+    from plait.runtime.distributed.parallel import exit_rank
     try:
         runner = ModelRunner(args, rank)
         if rank == 0:
@@ -283,7 +283,7 @@ def test_killed_rank_fails_requests_instead_of_hanging(tiny_model_dirs, victim):
 
 
 def test_metrics_report_each_rank():
-    from plait.runtime.server_metrics import ServerMetrics
+    from plait.runtime.server.metrics import ServerMetrics
     text = ServerMetrics().render({"tp_ranks": [{"rank": 0, "pid": 1, "alive": True},
                                                 {"rank": 1, "pid": 2, "alive": False}]}, 0).decode()
     assert 'plait_tp_rank_alive{rank="0"} 1.0' in text

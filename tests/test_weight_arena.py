@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plait.runtime import cpu_kernels, weight_arena
+from plait.runtime.kernels.cpu import cpu_kernels
+from plait.runtime.model_executor import weight_arena
 
 from test_model import Harness
 

@@ -11,10 +11,10 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from .. import cpu_kernels
-from ..attention import AttentionBackend
-from ..forward_batch import ForwardBatch
-from ..parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
+from ..kernels.cpu import cpu_kernels
+from ..model_executor.attention import AttentionBackend
+from ..model_executor.forward_batch import ForwardBatch
+from ..distributed.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
                         head_split, unwrap_single_rank)
 
 
@@ -246,7 +246,7 @@ class LlamaForCausalLM(nn.Module):
 
     def prepack_for_cpu(self) -> bool:
         """Reorder every projection (and the LM head, also when tied) for oneDNN; CPU only."""
-        from ..prepack import prepack_available, prepack_linears
+        from ..layers.prepack import prepack_available, prepack_linears
         if not prepack_available() or self.embed_tokens.weight.device.type != "cpu":
             return False
         self.forget_decode_plans()

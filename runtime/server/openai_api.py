@@ -43,8 +43,8 @@ from .api_schema import (MAX_TOP_LOGPROBS, ChatCompletionRequest, ChatCompletion
                          CompletionResponse, json_body, ref, responses)
 from .http_server import (SSE_DONE, ApiError, EventStream, Hold, ServerState, abort_error, expand_rids, is_int,
                           json_response, read_json, sse)
-from .sampling_params import MAX_INT, MAX_N
-from .server_metrics import StreamTimer
+from ..sampling_params import MAX_INT, MAX_N
+from .metrics import StreamTimer
 
 logger = logging.getLogger("plait.http")
 

@@ -29,10 +29,10 @@ from starlette.responses import Response, StreamingResponse
 
 from .api_schema import (MAX_NATIVE_TOP_LOGPROBS, AbortRequest, GenerateRequest, GenerateResult, add_components,
                          json_body, ref, responses)
-from .output_check import INVALID_OUTPUT
-from .sampling_params import MAX_INT, MAX_N
-from .server_args import ServerArgs
-from .server_metrics import METRICS_CONTENT_TYPE, ServerMetrics, StreamTimer, cache_hit_rate, kv_usage
+from ..output_check import INVALID_OUTPUT
+from ..sampling_params import MAX_INT, MAX_N
+from ..server_args import ServerArgs
+from .metrics import METRICS_CONTENT_TYPE, ServerMetrics, StreamTimer, cache_hit_rate, kv_usage
 
 logger = logging.getLogger("plait.http")
 
@@ -909,7 +909,7 @@ def run_server(args: ServerArgs, host: str = "127.0.0.1", port: int = 30000, api
     down on the way out. Raises SystemExit(1) if the engine's processes died."""
     import uvicorn
 
-    from .engine import Engine
+    from ..engine import Engine
     sock = sock or bind_socket(host, port)
     engine = Engine(**dataclasses.asdict(args))
     died = threading.Event()

@@ -355,14 +355,14 @@ class ParallelLMHead(nn.Module):
         if _tp.size != 1 or packed is None or not getattr(packed, "widens", False) or not hasattr(packed, "decode_kernel"):
             return None
         spec = packed.decode_kernel(rows, dtype)
-        from .prepack import PackedLinear   # kind 0 widens in PackedLinear's forward only
+        from ..layers.prepack import PackedLinear   # kind 0 widens in PackedLinear's forward only
         if spec is None or spec[0] not in (0, 2, 3) or (spec[0] == 0) != isinstance(packed, PackedLinear):
             return None
         return spec
 
     def prepack(self) -> None:
         """Hold the (local) weight in oneDNN's layout; CPU only."""
-        from .prepack import PackedLinear
+        from ..layers.prepack import PackedLinear
         self.packed = PackedLinear(self.local_weight(), None)
         if not self._tied:
             del self.weight   # the packed copy replaces it
@@ -381,7 +381,7 @@ _ALIGN = 16   # every tensor starts at a multiple of this in the payload, so it 
 
 def _step_types() -> dict[str, type]:
     """The only classes a step payload may rebuild (no pickle: nothing else can be instantiated)."""
-    from .forward_batch import AttnGroup, ForwardBatch
+    from ..model_executor.forward_batch import AttnGroup, ForwardBatch
     return {"ForwardBatch": ForwardBatch, "AttnGroup": AttnGroup}
 
 

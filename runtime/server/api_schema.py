@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .sampling_params import (
+from ..sampling_params import (
     MAX_INT,
     MAX_N,
     MAX_STOP_STR_LEN,

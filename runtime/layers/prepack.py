@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_kernels
+from ..kernels.cpu import cpu_kernels
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.responses import Response, StreamingResponse
 
-from .http_server import (
+from ..server.http_server import (
     MAX_BODY_BYTES,
     SSE_DONE,
     ApiError,
@@ -43,7 +43,7 @@ from .http_server import (
     json_response,
     sse,
 )
-from .router_policy import RoutingPolicy, ids_to_text, make_policy
+from .policy import RoutingPolicy, ids_to_text, make_policy
 
 logger = logging.getLogger("plait.router")
 

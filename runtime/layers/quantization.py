@@ -69,7 +69,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_kernels
+from ..kernels.cpu import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class Int8Linear(_WeightOnlyLinear):
         every row count through `cpu_kernels.int8_rows` where that runs (AVX2 without AVX-512: there
         it is faster than int8_gemv at 1-8 rows and than the bfloat16 copy past them, which is then
         dropped); False where neither does (the weight-only kernels stay)."""
-        from . import cpu_kernels
+        from ..kernels.cpu import cpu_kernels
         self.vnni_gemv = (self.kernel == "int8pack" and self.bias is None and self.in_features % 64 == 0
                           and self.qweight.device.type == "cpu" and cpu_kernels.int8_gemv_available())
         if self.vnni_gemv and self.out_features % 16 == 0 and cpu_kernels.int8_rows_available():

@@ -21,9 +21,9 @@ from itertools import chain
 
 import torch
 
-from . import cpu_kernels
-from .forward_batch import cached_arange
-from .sampling_params import SamplingParams
+from ..kernels.cpu import cpu_kernels
+from ..model_executor.forward_batch import cached_arange
+from ..sampling_params import SamplingParams
 
 # ---------------------------------------------------------------------------------------------
 # Counter-based hash. lowbias32 (hash-prospector): a 32-bit bijection with strong avalanche.

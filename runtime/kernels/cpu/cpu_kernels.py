@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .memory_pool import FP8_DTYPES, index_copy_bits_
+from ...mem_cache.memory_pool import FP8_DTYPES, index_copy_bits_
 
 logger = logging.getLogger(__name__)
 
@@ -435,7 +435,7 @@ def int4_gemv_pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) 
 
 
 def main() -> None:
-    """`python -m plait.runtime.cpu_kernels`: build the kernels for every path this host executes
+    """`python -m plait.runtime.kernels.cpu.cpu_kernels`: build the kernels for every path this host executes
     (`make setup` does, so that neither a server's start nor the tests wait on the compiler)."""
     for march in host_paths():
         ok = build(march) is not None

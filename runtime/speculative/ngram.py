@@ -13,7 +13,7 @@ with probability p(t); when it does not, the draw is distributed as p with t rem
 renormalised — the speculative-sampling rule for a deterministic draft. And since the draw is
 the very one decoding without speculation makes, a seeded request produces the same tokens with
 and without speculation (greedy is the special case argmax). Nothing of this depends on where a
-draft comes from: the draft model's greedy proposals (plait.runtime.draft_model) are verified
+draft comes from: the draft model's greedy proposals (plait.runtime.speculative.draft_model) are verified
 the same way.
 """
 from __future__ import annotations

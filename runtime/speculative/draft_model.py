@@ -7,7 +7,7 @@ steps: at the next proposal only the tokens it has not seen (the target's own to
 followed the first rejected draft) are computed, after cutting its cache back to the longest
 common prefix with the request's committed tokens.
 
-Drafts are point masses, so the scheduler's acceptance rule (see plait.runtime.speculative) keeps
+Drafts are point masses, so the scheduler's acceptance rule (see plait.runtime.speculative.ngram) keeps
 greedy output identical and seeded sampling exact, whatever the draft proposes — or declines to.
 That freedom pays for an adaptive draft length per request (`speculative.DraftLength`): a draft
 forward costs a fair part of a target forward (SmolLM2 int4 drafting for float32: ~0.4x), so drafts
@@ -22,12 +22,12 @@ import os
 
 import torch
 
-from .forward_batch import ForwardBatch
-from .memory_pool import ReqToTokenTable, TokenSlotAllocator
-from .model_loader import load_config, resolve_model
-from .model_runner import ModelRunner
-from .server_args import ServerArgs
-from .speculative import DraftLength
+from ..model_executor.forward_batch import ForwardBatch
+from ..mem_cache.memory_pool import ReqToTokenTable, TokenSlotAllocator
+from ..model_executor.model_loader import load_config, resolve_model
+from ..model_executor.model_runner import ModelRunner
+from ..server_args import ServerArgs
+from .ngram import DraftLength
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class DraftModel:
         path = resolve_model(name)
         check_vocab_size(name, load_config(path).vocab_size, target.vocab_size)   # before loading weights
         if args.speculative_draft_quantization is not None:
-            from .quantization import QUANTIZATIONS
+            from ..layers.quantization import QUANTIZATIONS
             if args.speculative_draft_quantization not in QUANTIZATIONS:
                 raise ValueError(f"speculative_draft_quantization must be one of {', '.join(QUANTIZATIONS)}, "
                                  f"got {args.speculative_draft_quantization!r}")

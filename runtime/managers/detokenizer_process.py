@@ -35,7 +35,7 @@ from .ipc import (
     push_socket,
     remove_ipc_dir,
 )
-from .request import TokenOutput
+from ..request import TokenOutput
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def run_detokenizer(model_path: str, ipc_dir: str, parent_pid: int, log_level: s
     orphaned = False
     try:
         try:
-            from .model_loader import load_tokenizer
+            from ..model_executor.model_loader import load_tokenizer
             tokenizer = load_tokenizer(model_path)
         except Exception as e:
             out.send(codec.encode(Fatal(message=f"could not load the tokenizer: {e}", process="detokenizer",

@@ -32,8 +32,8 @@ import zmq
 
 from .ipc import (SCHEDULER_IN, SCHEDULER_OUT, AbortReq, Codec, Fatal, Ready, RpcReply, RpcReq, Shutdown,
                   ToScheduler, TokenOutputBatch, endpoint, pull_socket, push_socket, remove_ipc_dir)
-from .request import GenerateInput, TokenOutput
-from .server_args import OPENMP_SETTINGS, ServerArgs, set_openmp_defaults
+from ..request import GenerateInput, TokenOutput
+from ..server_args import OPENMP_SETTINGS, ServerArgs, set_openmp_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -203,9 +203,9 @@ def run_scheduler(args: ServerArgs, ipc_dir: str, parent: int) -> None:
         try:
             import torch
 
-            from .parallel import threads_per_rank
+            from ..distributed.parallel import threads_per_rank
             torch.set_num_threads(threads_per_rank(args))
-            from .scheduler import Scheduler
+            from ..scheduler.scheduler import Scheduler
             scheduler = Scheduler(args)
         except Exception as e:  # reported to the parent, which raises it from Engine()
             send(Fatal(message=str(e), kind="value" if isinstance(e, ValueError) else "runtime",
@@ -291,7 +291,7 @@ def tp_worker_processes(args: ServerArgs, ipc_dir: str | None, parent: int) -> l
     processes not yet started. `args.dist_init_addr` must be set."""
     import multiprocessing as mp
 
-    from .parallel import ranks_on_this_node
+    from ..distributed.parallel import ranks_on_this_node
     spawn = mp.get_context("spawn")
     return [spawn.Process(target=run_tp_worker, args=(args, rank, ipc_dir, parent), name=f"tp rank {rank}",
                           daemon=True)
@@ -318,7 +318,7 @@ def run_tp_worker(args: ServerArgs, rank: int, ipc_dir: str | None, parent: int)
     alive.set()   # for the whole life of the process: the main thread blocks in collectives
     threading.Thread(target=_exit_if_orphaned_while, args=(alive, parent, None), daemon=True).start()
     try:
-        from .model_runner import ModelRunner
+        from ..model_executor.model_runner import ModelRunner
         runner = ModelRunner(args, rank)
     except Exception as e:
         logger.error("tensor-parallel rank %d failed to start: %s", rank, e)
@@ -335,7 +335,7 @@ def run_tp_worker(args: ServerArgs, rank: int, ipc_dir: str | None, parent: int)
         code = 1
     finally:
         runner.close()
-    from .parallel import exit_rank
+    from ..distributed.parallel import exit_rank
     exit_rank(code)
 
 

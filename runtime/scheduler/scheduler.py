@@ -15,16 +15,16 @@ from concurrent.futures import wait as wait_futures
 
 import torch
 
-from .draft_model import DraftModel
-from .forward_batch import DRAFT_MAX_TOKENS, ForwardBatch
-from .memory_pool import ReqToTokenTable, TokenSlotAllocator
-from .model_runner import ModelRunner
-from .radix_cache import NaiveCache, RadixCache
-from .request import GenerateInput, Req, TokenOutput
-from .sampler import Sampler, SamplingBatch
-from .sampling_params import SamplingParams
-from .server_args import ServerArgs
-from .speculative import DraftLength, NgramIndex, acceptance_rate
+from ..speculative.draft_model import DraftModel
+from ..model_executor.forward_batch import DRAFT_MAX_TOKENS, ForwardBatch
+from ..mem_cache.memory_pool import ReqToTokenTable, TokenSlotAllocator
+from ..model_executor.model_runner import ModelRunner
+from ..mem_cache.radix_cache import NaiveCache, RadixCache
+from ..request import GenerateInput, Req, TokenOutput
+from ..layers.sampler import Sampler, SamplingBatch
+from ..sampling_params import SamplingParams
+from ..server_args import ServerArgs
+from ..speculative.ngram import DraftLength, NgramIndex, acceptance_rate
 
 logger = logging.getLogger(__name__)
 
@@ -593,7 +593,7 @@ class Scheduler:
         sampled exactly as decoding one token at a time would sample it there (same penalties,
         grammar mask, min_new_tokens, seed and step). Drafts are kept while they equal those
         draws; the first draw that differs (or the one after the last draft) is the model's own
-        token. Greedy: lossless; sampled: see plait.runtime.speculative."""
+        token. Greedy: lossless; sampled: see plait.runtime.speculative.ngram."""
         idx, params, seeds, steps, prompts, outs, drafts_of = [], [], [], [], [], [], []
         for req in reqs:
             k = req.num_draft

@@ -19,7 +19,7 @@ from typing import Any, Union
 import msgspec
 import zmq
 
-from .request import GenerateInput, TokenOutput
+from ..request import GenerateInput, TokenOutput
 
 # Where the scheduler receives (GenerateInput, AbortReq, ...) and where it sends results (the
 # detokenizer binds SCHEDULER_OUT; the engine also connects to it, to send Shutdown), and where

@@ -24,9 +24,9 @@ from .detokenizer_process import run_detokenizer
 from .ipc import (DETOKENIZER_OUT, SCHEDULER_IN, SCHEDULER_OUT, AbortReq, Codec, Fatal, FromDetokenizer, Ready,
                   RpcReply, RpcReq, Shutdown, TokenOutputBatch, endpoint, make_ipc_dir, pull_socket, push_socket,
                   remove_ipc_dir)
-from .request import GenerateInput, TokenOutput
+from ..request import GenerateInput, TokenOutput
 from .scheduler_process import free_loopback_addr, openmp_environ, run_scheduler, tp_worker_processes
-from .server_args import ServerArgs
+from ..server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 

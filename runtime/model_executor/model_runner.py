@@ -8,16 +8,17 @@ import sys
 import torch
 from tqdm import tqdm
 
-from . import cpu_kernels, weight_arena
+from ..kernels.cpu import cpu_kernels
+from . import weight_arena
 from .attention import make_attention_backend
 from .cuda_graph import make_decode_graph_runner
 from .forward_batch import ForwardBatch
-from .memory_pool import KVPool
+from ..mem_cache.memory_pool import KVPool
 from .model_loader import load_config, load_tokenizer, load_weights, resolve_model
-from .models import get_model_class
-from .parallel import (FORWARD, STOP, RankFailure, StepChannel, all_reduce_min, destroy_tensor_parallel,
+from ..models import get_model_class
+from ..distributed.parallel import (FORWARD, STOP, RankFailure, StepChannel, all_reduce_min, destroy_tensor_parallel,
                        init_tensor_parallel, rank_device, ranks_on_this_node, threads_per_rank)
-from .server_args import ServerArgs, kv_cache_torch_dtype
+from ..server_args import ServerArgs, kv_cache_torch_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class ModelRunner:
         self.model.load_weights(weights)
         self.model.to(device=self.device, dtype=self.dtype).eval()
         if args.quantization:   # quantized layers replace the float ones (and prepacking)
-            from .quantization import quantize_model
+            from ..layers.quantization import quantize_model
             quantize_model(self.model, args.quantization)
         elif self.device.type == "cpu" and not (args.disable_weight_prepack or args.enable_torch_compile):
             self.model.prepack_for_cpu()     # (inductor cannot lower prepacked weights)

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu_kernels, weight_arena
-from .forward_batch import AttnGroup, cached_arange
+from ..kernels.cpu import cpu_kernels
+from ..model_executor import weight_arena
+from ..model_executor.forward_batch import AttnGroup, cached_arange
 from .memory_pool import KVPool, index_copy_bits_, index_select_bits
 
 _LEN_STEP = 256      # mirror length grows in steps of this many tokens

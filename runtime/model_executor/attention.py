@@ -18,10 +18,10 @@ import os
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels
-from .decode_mirror import DecodeMirror, MirrorPlan
+from ..kernels.cpu import cpu_kernels
+from ..mem_cache.decode_mirror import DecodeMirror, MirrorPlan
 from .forward_batch import AttnGroup, ForwardBatch
-from .memory_pool import FP8_DTYPES, KVPool, index_select_bits
+from ..mem_cache.memory_pool import FP8_DTYPES, KVPool, index_select_bits
 
 
 def sdpa_dtype(kv_dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -1,0 +1,1 @@
+"""Tensor parallelism: ranks, parallel linears, the step channel."""

@@ -1,0 +1,1 @@
+"""The fused CPU kernels (csrc/) and their build and dispatch."""

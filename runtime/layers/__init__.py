@@ -1,0 +1,1 @@
+"""Layers around the model: prepacked and quantized linears, the sampler."""

@@ -1,0 +1,1 @@
+"""The processes around the scheduler: the engine-side client, the scheduler and detokenizer processes, their IPC."""

@@ -1,0 +1,1 @@
+"""KV-cache memory: the slot pool, the radix prefix cache, the decode mirror."""

@@ -1,0 +1,1 @@
+"""The data-parallel router: routing policy, relaying, launching replicas."""

@@ -1,0 +1,1 @@
+"""The scheduler: batching, KV admission, speculation and grammar masks."""

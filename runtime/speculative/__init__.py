@@ -1,0 +1,1 @@
+"""Speculative decoding: n-gram drafts, draft length, the draft model."""
