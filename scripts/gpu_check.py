@@ -9,7 +9,7 @@
 2. bf16 CUDA graphs vs bf16 eager: agreement, printed;
 3. int8 and fp8 weights on CUDA (graphs on): the text is sane and the graphs captured;
 4. decode tokens/s at batch 1 / 8 / 32 (bf16), with and without CUDA graphs;
-5. unless --skip-pytest: the CUDA test of tests/test_cuda_graph.py (tiny models).
+5. unless --skip-pytest: the CUDA test of tests/runtime/test_cuda_graph.py (tiny models).
 
 Prints one PASS / FAIL line per check. Exit status: 0 all passed, 1 a check failed, 2 no CUDA device.
 """
@@ -167,7 +167,7 @@ def decode_rate(runner, prompts: list[list[int]], max_new: int) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--skip-pytest", action="store_true", help="do not run the CUDA tests of tests/test_cuda_graph.py")
+    p.add_argument("--skip-pytest", action="store_true", help="do not run the CUDA tests of tests/runtime/test_cuda_graph.py")
     ns = p.parse_args()
     import torch
     if not torch.cuda.is_available():
@@ -196,9 +196,9 @@ def main() -> int:
     except Exception as e:   # noqa: BLE001
         check(False, "throughput", f"{type(e).__name__}: {e}")
     if not ns.skip_pytest:
-        rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-x", "tests/test_cuda_graph.py", "-k", "capture_replay"],
+        rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-x", "tests/runtime/test_cuda_graph.py", "-k", "capture_replay"],
                              cwd=ROOT)
-        check(rc == 0, "pytest tests/test_cuda_graph.py -k capture_replay", f"exit {rc}")
+        check(rc == 0, "pytest tests/runtime/test_cuda_graph.py -k capture_replay", f"exit {rc}")
     failed = [name for ok, name in results if not ok]
     print(f"\n{len(results) - len(failed)}/{len(results)} checks passed" + (f"; failed: {failed}" if failed else ""))
     return 1 if failed else 0

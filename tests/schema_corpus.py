@@ -16,7 +16,7 @@ recursive structures (tree, comment thread, linked list, file system), nullable 
 Deliberately absent, because the default backend (xgrammar 0.2.9) accepts but does not enforce
 them, so sampled outputs could violate the schema: uniqueItems, multipleOf, allOf, and a pattern
 with an optional group whose body has a variable repetition, e.g. "^[a-z]{1,5}(:[A-Z]{1,10})?$"
-(xgrammar lets the group's leading ":" be skipped; see tests/test_grammar_engine.py).
+(xgrammar lets the group's leading ":" be skipped; see tests/grammar/test_grammar_engine.py).
 Numbers: minimum / maximum bound the value, but no backend bounds a number's fraction digits
 (llguidance, the default for JSON schemas, lets them run on), so a number field counts as free length.
 Kept on purpose although xgrammar does not bound their length (FREE_LENGTH_FORMATS): a few
@@ -1205,7 +1205,7 @@ def schema_by_name(name: str) -> dict:
     raise KeyError(name)
 
 
-# --- prompts and validation helpers (shared by tests/test_grammar_engine.py and
+# --- prompts and validation helpers (shared by tests/grammar/test_grammar_engine.py and
 # benchmarks/grammar_corpus.py) -----------------------------------------------------------------
 def prompt_for(tokenizer, name: str) -> str:
     """The chat prompt (rendered with the model's template) asking for schema `name`."""

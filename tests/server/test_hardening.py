@@ -564,7 +564,8 @@ def test_no_unrestricted_unpickling_in_runtime():
     restrict what it loads (an Unpickler subclass with an allow-list `find_class`)."""
     runtime = os.path.join(REPO, "runtime")
     offenders = []
-    for name in sorted(os.listdir(runtime)):
+    for name in sorted(os.path.relpath(os.path.join(d, f), runtime)   # every subpackage too
+                       for d, _, files in os.walk(runtime) for f in files):
         if not name.endswith(".py"):
             continue
         with open(os.path.join(runtime, name)) as f:

@@ -26,7 +26,7 @@ from plait.runtime.router.policy import (
 
 import plait
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GREEDY = {"temperature": 0, "max_new_tokens": 4}
 
 

@@ -19,7 +19,7 @@ from collections import Counter
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/: schema_corpus
 import schema_corpus as sc  # noqa: E402
 from conftest import assert_no_leak  # noqa: E402
 

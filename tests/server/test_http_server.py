@@ -23,7 +23,7 @@ from plait.runtime.server.http_server import create_app
 from conftest import free_port, serve
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # --- fixtures ---------------------------------------------------------------------------------
