@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _listen(host: str, port: int):
     """(the bound listening socket, None), or (None, exit code) after saying why it cannot be had."""
-    from plait.runtime.server.http_server import bind_socket   # imports the server stack: only when serving
+    from plait.runtime.server.http_common import bind_socket  # imports the server stack: only when serving
     try:
         return bind_socket(host, port), None
     except OSError as e:

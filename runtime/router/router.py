@@ -32,7 +32,7 @@ from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.responses import Response, StreamingResponse
 
-from ..server.http_server import (
+from ..server.http_common import (
     MAX_BODY_BYTES,
     SSE_DONE,
     ApiError,

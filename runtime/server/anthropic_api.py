@@ -13,8 +13,11 @@ from fastapi import FastAPI, Request, Response
 
 from . import chat_adapter
 from .api_schema import AnthropicErrorResponse, responses
-from .http_server import ApiError, ServerState, json_response, read_json
-from .openai_api import OpenAIRequest, StreamShaper, _message, finish_reason, parse_openai
+from .http_common import ApiError, json_response, read_json
+from .openai_request import OpenAIRequest, parse_openai
+from .openai_response import chat_message, finish_reason
+from .openai_stream import StreamShaper
+from .server_state import ServerState
 
 # Anthropic's error `type` per HTTP status
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -149,7 +152,7 @@ def _usage(result: dict[str, Any]) -> dict[str, int]:
 def message(state: ServerState, req: OpenAIRequest, result: dict[str, Any], stop_sequences: list[str],
             mid: str) -> dict[str, Any]:
     """The Message of a finished request."""
-    msg, reason = _message(req, result["text"], finish_reason(result))
+    msg, reason = chat_message(req, result["text"], finish_reason(result))
     content: list[dict[str, Any]] = []
     if msg.get("content"):
         content.append({"type": "text", "text": msg["content"]})

@@ -8,8 +8,11 @@ from typing import Any, AsyncIterator, Callable, Iterator
 
 from fastapi import Request
 
-from .http_server import ApiError, EventStream, ServerState
-from .openai_api import OpenAIRequest, StreamShaper, _engine_prompts, new_call_id, open_engine_stream
+from .http_common import ApiError
+from .openai_request import OpenAIRequest, engine_prompts
+from .openai_stream import StreamShaper, open_engine_stream
+from .server_state import EventStream, ServerState
+from .tool_calls import new_call_id
 
 logger = logging.getLogger("plait.http")
 
@@ -18,7 +21,7 @@ async def complete(state: ServerState, request: Request, req: OpenAIRequest, end
     """The finished engine result of a one-choice chat request."""
     rids = [f"{req.rid}-0"]
     with state.admit(rids, {req.rid: rids}) as hold:
-        results = await state.generate(request, hold, endpoint, **_engine_prompts(req),
+        results = await state.generate(request, hold, endpoint, **engine_prompts(req),
                                        sampling_params=req.params, rid=rids)
     return results[0]
 

@@ -12,7 +12,8 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 
 from .api_schema import responses
-from .http_server import ApiError, ServerState, is_int, json_response, read_json
+from .http_common import ApiError, is_int, json_response, read_json
+from .server_state import ServerState
 
 MAX_INPUTS = 2048        # items in one request, as OpenAI allows
 

@@ -17,8 +17,11 @@ from fastapi import FastAPI, Path, Request, Response
 
 from . import chat_adapter
 from .api_schema import responses
-from .http_server import ApiError, ServerState, json_response, read_json, sse
-from .openai_api import OpenAIRequest, StreamShaper, _message, finish_reason, parse_openai
+from .http_common import ApiError, json_response, read_json, sse
+from .openai_request import OpenAIRequest, parse_openai
+from .openai_response import chat_message, finish_reason
+from .openai_stream import StreamShaper
+from .server_state import ServerState
 
 STORED_RESPONSES = 1024      # previous_response_id looks back this many responses (oldest dropped first)
 
@@ -191,7 +194,7 @@ class ResponseBuilder:
 
 def output_items(req: OpenAIRequest, result: dict[str, Any]) -> list[dict[str, Any]]:
     """The output items of a finished request: its text as a message, then its function calls."""
-    msg, _ = _message(req, result["text"], finish_reason(result))
+    msg, _ = chat_message(req, result["text"], finish_reason(result))
     out = []
     if msg.get("content"):
         out.append(_text_item("msg_" + uuid.uuid4().hex, msg["content"]))

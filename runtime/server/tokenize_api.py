@@ -8,7 +8,8 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 
 from .api_schema import responses
-from .http_server import ApiError, ServerState, json_response, read_json
+from .http_common import ApiError, json_response, read_json
+from .server_state import ServerState
 
 
 def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -22,7 +23,7 @@ def tokenize(state: ServerState, body: dict[str, Any]) -> dict[str, Any]:
     """{"prompt": str} (with `add_special_tokens`, default true) or {"messages": [...]} (through the
     chat template, generation prompt appended) -> {"count", "max_model_len", "tokens"} and, with
     `return_token_strs`, "token_strs"."""
-    from .openai_api import render_chat
+    from .openai_tools import render_chat
     tokenizer = state.engine.tokenizer
     if ("prompt" in body) == ("messages" in body):
         raise ApiError(400, "give exactly one of prompt (a string) or messages (a chat)")

@@ -28,7 +28,7 @@ import httpx
 import msgspec
 import pytest
 from conftest import free_port, serve, wait_healthy
-from plait.runtime.server import http_server
+from plait.runtime.server import http_common, http_server
 from plait.runtime.server.http_server import create_app
 from test_http_server import REPO, assert_error, sse_events, wait_no_kv
 
@@ -508,12 +508,12 @@ def test_sigterm_under_load_drains_and_exits_0(tiny_model_dirs):
 # --- security ---------------------------------------------------------------------------------
 def test_api_key_on_every_route_but_health(engine, monkeypatch):
     calls = []
-    real = http_server.hmac.compare_digest
+    real = http_common.hmac.compare_digest
 
     def spy(a, b):
         calls.append(1)
         return real(a, b)
-    monkeypatch.setattr(http_server.hmac, "compare_digest", spy)
+    monkeypatch.setattr(http_common.hmac, "compare_digest", spy)
     app = create_app(engine, api_key="k3y", served_model_name="tiny")
     routes = [(r.path, m) for r in app.routes if hasattr(r, "methods") for m in sorted(r.methods - {"HEAD"})]
     assert len(routes) >= 15

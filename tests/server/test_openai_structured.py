@@ -12,7 +12,8 @@ import pytest
 
 import plait
 from plait.runtime.server.http_server import create_app
-from plait.runtime.server.openai_api import ToolPlan, ToolStream, parse_tool_calls, parse_tools, tool_call_schema
+from plait.runtime.server.openai_tools import ToolPlan, parse_tools, tool_call_schema
+from plait.runtime.server.tool_calls import ToolStream, parse_tool_calls
 from conftest import serve
 
 PERSON = {"type": "object",
@@ -135,7 +136,7 @@ def test_auto_mode_constrains_calls_once_opened(smollm2_path):
     tool with valid arguments; `parallel_tool_calls: false` ends the output after one call."""
     from transformers import AutoTokenizer
 
-    from plait.runtime.server.openai_api import tool_call_tags
+    from plait.runtime.server.openai_tools import tool_call_tags
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     fmt = {"type": "structural_tag", "format": tool_call_tags(parse_tools({"tools": TOOLS}))}
     call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
@@ -165,7 +166,7 @@ HISTORY = [*ASK_WEATHER,
 def test_render_tools_with_and_without_template_support(smollm2_path):
     from transformers import AutoTokenizer
 
-    from plait.runtime.server.openai_api import render_chat
+    from plait.runtime.server.openai_tools import render_chat
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     # SmolLM2's template knows no tools: a system block, calls as <tool_call> text, results as a user turn
     text = tok.decode(render_chat(tok, HISTORY, TOOLS))
