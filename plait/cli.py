@@ -200,7 +200,7 @@ def serve(ns: argparse.Namespace) -> int:
         return rc
     try:
         if ns.dp_size > 1:
-            from plait.runtime.router.router import serve_data_parallel
+            from plait.runtime.router.replicas import serve_data_parallel
             serve_data_parallel({k: getattr(ns, k) for k in _ENGINE_OPTIONS if getattr(ns, k) is not None},
                                 ns.dp_size, ns.host, ns.port, ns.api_key, sock, _replica_flags(ns),
                                 log_level=ns.log_level)
