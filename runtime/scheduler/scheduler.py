@@ -15,16 +15,18 @@ from concurrent.futures import wait as wait_futures
 
 import torch
 
-from ..speculative.draft_model import DraftModel
-from ..model_executor.forward_batch import DRAFT_MAX_TOKENS, ForwardBatch
-from ..mem_cache.memory_pool import ReqToTokenTable, TokenSlotAllocator
-from ..model_executor.model_runner import ModelRunner
-from ..mem_cache.radix_cache import NaiveCache, RadixCache
-from ..request import GenerateInput, Req, TokenOutput
 from ..layers.sampler import Sampler, SamplingBatch
-from ..sampling_params import SamplingParams
+from ..mem_cache.memory_pool import ReqToTokenTable, TokenSlotAllocator
+from ..mem_cache.radix_cache import NaiveCache, RadixCache
+from ..model_executor.forward_batch import ForwardBatch
+from ..model_executor.model_runner import ModelRunner
+from ..request import GenerateInput, Req, TokenOutput
 from ..server_args import ServerArgs
-from ..speculative.ngram import DraftLength, NgramIndex, acceptance_rate
+from ..speculative.draft_model import DraftModel
+from ..speculative.ngram import acceptance_rate
+from .grammar_mask import GrammarMaskMixin, grammar_rejected
+from .logprobs import LogprobsMixin, top_logprobs
+from .speculation import SpeculationMixin
 
 logger = logging.getLogger(__name__)
 
@@ -36,15 +38,12 @@ RESERVE_CAP = 256
 # so it can take them from the cache instead of computing them twice.
 IN_BATCH_SHARE_MIN = 16
 LPM_MAX_QUEUE = 128
-# Verifying grammar-forced drafts costs extra rows of logits and sampling; above this many running
-# requests greedy constrained ones decode one token per step instead (same text).
-JUMP_FORWARD_MAX_BATCH = 8
 # From this many decode rows, a step where each appends one token writes the rows' new table
 # entries with one indexed op instead of a tensor slice per row (a few us each).
 INDEXED_ROWS_MIN = 8
 
 
-class Scheduler:
+class Scheduler(SpeculationMixin, GrammarMaskMixin, LogprobsMixin):
     """Owns the requests, the KV memory and the cache; runs one batch per `step()`."""
 
     def __init__(self, args: ServerArgs, runner: ModelRunner | None = None, draft: DraftModel | None = None):
@@ -108,38 +107,6 @@ class Scheduler:
             self.waiting.append(req)
         else:   # compiled off this thread; the batch keeps running meanwhile
             self.grammar_queue.append((req, self._grammars().submit(spec)))
-
-    def _grammars(self):
-        if self._grammar_cache is None:
-            from plait.grammar import GrammarCache, make_backend, tokenizer_info
-            self._grammar_info = tokenizer_info(self.tokenizer, self.runner.vocab_size, sorted(self.eos_ids))
-            backend = make_backend(self.args.grammar_backend, self._grammar_info)
-            self._grammar_cache = GrammarCache(backend, compile_timeout_s=self.args.grammar_compile_timeout)
-        return self._grammar_cache
-
-    def _guarded(self, grammar, params):
-        """A matcher of `grammar` for a request, with the JSON length guards where it is JSON."""
-        from plait.grammar.json_guard import JsonLimits, guarded
-        a = self.args
-        limits = JsonLimits(
-            a.json_max_number_digits if params.json_max_number_digits is None else params.json_max_number_digits,
-            a.json_max_string_length if params.json_max_string_length is None else params.json_max_string_length)
-        return guarded(grammar.matcher(), grammar.spec, self._grammar_info, limits, params.max_new_tokens)
-
-    def _poll_grammars(self, outputs: list[TokenOutput]) -> None:
-        """Move requests whose grammar is ready to the waiting queue; fail those whose compile failed."""
-        pending = []
-        for req, fut in self.grammar_queue:
-            if not fut.done():
-                pending.append((req, fut))
-                continue
-            try:
-                req.matcher = self._guarded(fut.result(), req.params)
-            except Exception as e:   # GrammarError, a compile timeout, a backend failure
-                outputs.append(self._finish_output(req, {"type": "abort", "message": f"invalid grammar: {e}"}, []))
-                continue
-            self.waiting.append(req)
-        self.grammar_queue = pending
 
     def abort_request(self, rid: str) -> TokenOutput | None:
         """Drop a request wherever it is and release its KV; None if it is unknown (or done)."""
@@ -391,7 +358,35 @@ class Scheduler:
         return batch, rows_of
 
     def _process(self, prefill, decode, logits: torch.Tensor, rows_of) -> list[TokenOutput]:
+        """Turn one forward pass's logits into outputs: complete prefills, verify drafts, sample
+        the other rows (logprobs, grammar masks, accept), then keep or finish each request."""
         outputs: list[TokenOutput] = []
+        to_sample, sample_rows, input_lp = self._complete_prefills(prefill, logits, rows_of, outputs)
+        drafted = [r for r in decode if r.num_draft]
+        for req in decode:
+            if not req.num_draft:
+                req.kv_len = req.fill_len
+                to_sample.append(req)
+                sample_rows.append(rows_of[id(req)][0])
+        self._active = len(to_sample) + len(drafted)
+        still_running: list[Req] = []
+        if drafted:
+            for req, out in zip(drafted, self._verify_drafts(drafted, logits, rows_of)):
+                self._finish_step(req, out, outputs, still_running)
+        if to_sample:
+            next_ids, logprobs, lp_rows = self._sample(to_sample, sample_rows, logits)
+            for i, (req, tok) in enumerate(zip(to_sample, next_ids)):
+                lp_row = logprobs[lp_rows.index(i)] if req.return_logprob else None
+                out = self._take_token(req, tok, lp_row, id(req) in input_lp)
+                self._finish_step(req, out, outputs, still_running)
+        self.running = sorted(still_running, key=lambda r: r.arrival)
+        self._propose_from_draft_model()
+        return outputs
+
+    def _complete_prefills(self, prefill, logits: torch.Tensor, rows_of, outputs: list[TokenOutput]):
+        """Advance each prefilled request past its chunk; a request whose prompt is now complete is
+        cached, and either finished at once (max_new_tokens 0) or queued to sample its first token.
+        Returns (requests to sample, their logits rows, requests owed their input logprobs)."""
         to_sample: list[Req] = []
         sample_rows: list[int] = []
         input_lp: dict[int, TokenOutput] = {}
@@ -408,35 +403,29 @@ class Scheduler:
             if self.cache.enabled:
                 self._cache_prefix(req)
             if req.params.max_new_tokens == 0:
-                self._release(req)
-                out = self._finish_output(req, {"type": "length", "length": 0}, [])
-                self._attach_input_logprobs(req, out)
-                if req.return_embedding:
-                    first, count = rows_of[id(req)]
-                    hidden = self.runner.model.last_hidden[first + count - 1].float()
-                    out.embedding = torch.nn.functional.normalize(hidden, dim=-1).tolist()
-                outputs.append(out)
+                outputs.append(self._finish_prompt_only(req, rows_of))
                 continue
             if first_time and req.return_logprob and req.logprob_start_len >= 0:
                 input_lp[id(req)] = req            # attached to its first output below
             first, count = rows_of[id(req)]
             to_sample.append(req)
             sample_rows.append(first + count - 1)
-        still_running: list[Req] = []
-        drafted = [r for r in decode if r.num_draft]
-        for req in decode:
-            if not req.num_draft:
-                req.kv_len = req.fill_len
-                to_sample.append(req)
-                sample_rows.append(rows_of[id(req)][0])
-        self._active = len(to_sample) + len(drafted)
-        if drafted:
-            for req, out in zip(drafted, self._verify_drafts(drafted, logits, rows_of)):
-                self._finish_step(req, out, outputs, still_running)
-        if not to_sample:
-            self.running = sorted(still_running, key=lambda r: r.arrival)
-            self._propose_from_draft_model()
-            return outputs
+        return to_sample, sample_rows, input_lp
+
+    def _finish_prompt_only(self, req: Req, rows_of) -> TokenOutput:
+        """The only output of a request that generates nothing: input logprobs, or an embedding."""
+        self._release(req)
+        out = self._finish_output(req, {"type": "length", "length": 0}, [])
+        self._attach_input_logprobs(req, out)
+        if req.return_embedding:
+            first, count = rows_of[id(req)]
+            hidden = self.runner.model.last_hidden[first + count - 1].float()
+            out.embedding = torch.nn.functional.normalize(hidden, dim=-1).tolist()
+        return out
+
+    def _sample(self, to_sample: list[Req], sample_rows: list[int], logits: torch.Tensor):
+        """Sample one token for each request from its logits row. Returns (token ids, the
+        log-softmax of the rows that asked for logprobs, those rows' indices in `to_sample`)."""
         if sample_rows == list(range(logits.shape[0])):
             row_logits = logits        # a pure decode step: every row is sampled, in order (no 6 MB copy)
         else:
@@ -450,36 +439,35 @@ class Scheduler:
             [len(r.output_ids) for r in to_sample], [r.origin_ids for r in to_sample],
             [r.output_ids for r in to_sample], sorted(self.eos_ids), self.runner.vocab_size,
             device=logits.device)
-        next_ids = self.sampler(row_logits, sbatch).tolist()
-        for i, (req, tok) in enumerate(zip(to_sample, next_ids)):
-            req.output_ids.append(tok)
-            first = len(req.output_ids) - 1
-            self.num_generated_tokens += 1
-            out = TokenOutput(rid=req.rid, new_ids=[tok], prompt_tokens=len(req.origin_ids),
-                              cached_tokens=max(req.cached_tokens, 0))
-            if req.return_logprob:
-                row = logprobs[lp_rows.index(i)]
-                out.output_logprobs = [[float(row[tok]), tok]]
-                if req.top_logprobs_num > 0:
-                    out.output_top_logprobs = [_top(row, req.top_logprobs_num)]
-            if id(req) in input_lp:
-                self._attach_input_logprobs(req, out)
-            if req.matcher is not None and not req.matcher.accept(tok):
-                reason = _grammar_rejected(req.matcher, tok, self.runner.vocab_size)
-            else:
-                reason = self._check_finish(req, tok)
-                if reason is None and self._direct_jump(req) and self._jump_forward(req):
-                    self.num_generated_tokens += len(req.output_ids) - first - 1
-                    reason = self._check_finish(req, req.output_ids[-1])
-                if reason is None:
-                    self._propose(req)
-            # jump-forward or a grammar's final EOS may add tokens; unverified drafts are not output
-            out.new_ids = req.output_ids[first:len(req.output_ids) - req.num_draft]
-            out.finish_reason = reason
-            self._finish_step(req, out, outputs, still_running)
-        self.running = sorted(still_running, key=lambda r: r.arrival)
-        self._propose_from_draft_model()
-        return outputs
+        return self.sampler(row_logits, sbatch).tolist(), logprobs, lp_rows
+
+    def _take_token(self, req: Req, tok: int, lp_row: torch.Tensor | None, owes_input_lp: bool) -> TokenOutput:
+        """Append a sampled token: its logprobs, the grammar's accept, finish checks, then
+        jump-forward and the next step's drafts while the request runs on."""
+        req.output_ids.append(tok)
+        first = len(req.output_ids) - 1
+        self.num_generated_tokens += 1
+        out = TokenOutput(rid=req.rid, new_ids=[tok], prompt_tokens=len(req.origin_ids),
+                          cached_tokens=max(req.cached_tokens, 0))
+        if lp_row is not None:
+            out.output_logprobs = [[float(lp_row[tok]), tok]]
+            if req.top_logprobs_num > 0:
+                out.output_top_logprobs = [top_logprobs(lp_row, req.top_logprobs_num)]
+        if owes_input_lp:
+            self._attach_input_logprobs(req, out)
+        if req.matcher is not None and not req.matcher.accept(tok):
+            reason = grammar_rejected(req.matcher, tok, self.runner.vocab_size)
+        else:
+            reason = self._check_finish(req, tok)
+            if reason is None and self._direct_jump(req) and self._jump_forward(req):
+                self.num_generated_tokens += len(req.output_ids) - first - 1
+                reason = self._check_finish(req, req.output_ids[-1])
+            if reason is None:
+                self._propose(req)
+        # jump-forward or a grammar's final EOS may add tokens; unverified drafts are not output
+        out.new_ids = req.output_ids[first:len(req.output_ids) - req.num_draft]
+        out.finish_reason = reason
+        return out
 
     def _finish_step(self, req: Req, out: TokenOutput, outputs: list[TokenOutput], still_running: list[Req]) -> None:
         if out.finish_reason is not None:
@@ -488,304 +476,6 @@ class Scheduler:
         else:
             still_running.append(req)
         outputs.append(out)
-
-    # --- jump-forward ----------------------------------------------------------------------
-    @staticmethod
-    def _exact_jump(req: Req) -> bool:
-        """Greedy requests verify forced tokens against the model, so their text is exactly what
-        decoding without jump-forward gives; sampled ones take the forced text directly."""
-        p = req.params
-        return p.greedy and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
-
-    def _direct_jump(self, req: Req) -> bool:
-        """Sampled constrained requests take the grammar's forced text directly after a sampled token."""
-        return req.matcher is not None and self.jump_forward and not req.return_logprob and not self._exact_jump(req)
-
-    def _propose(self, req: Req) -> None:
-        """Append draft tokens for the next step to verify: the grammar's forced text for greedy
-        constrained requests (jump-forward), else an n-gram lookup or the draft model when
-        speculation is on. Only at small batches: there the extra positions are nearly free; at
-        large ones they are not. Draft-model requests are queued and drafted together at the end
-        of the step (`_propose_from_draft_model`)."""
-        if req.matcher is not None and self.jump_forward and not req.return_logprob and self._exact_jump(req):
-            if self._active <= JUMP_FORWARD_MAX_BATCH:
-                self._propose_forced(req)
-            if req.num_draft:
-                req.draft_source = "grammar"
-                return
-        if self.speculative and self._active <= self.args.speculative_max_batch:
-            if self.draft is None:
-                self._propose_ngram(req)
-            elif (k := self._draft_budget(req)) > 0:
-                self._draft_queue.append((req, k))
-
-    def _propose_forced(self, req: Req) -> None:
-        """Append the grammar's forced text as draft tokens (the matcher accepts them now)."""
-        forced = req.matcher.forced_text()
-        budget = req.params.max_new_tokens - len(req.output_ids) - 1   # room for the model's own next token
-        if not forced or budget <= 0:
-            return
-        # at most DRAFT_MAX_TOKENS positions per verify pass (drafts + the model's own token), so the
-        # request stays in the decode attention group; the rest of the forced text comes next step
-        limit = min(budget, DRAFT_MAX_TOKENS - 1)
-        self._append_drafts(req, self.tokenizer.encode(forced, add_special_tokens=False)[:limit])
-
-    def _draft_budget(self, req: Req) -> int:
-        """How many speculative tokens the request may take now (<= 0: none)."""
-        return min(self.args.speculative_num_draft_tokens,
-                   req.params.max_new_tokens - len(req.output_ids) - 1,      # room for the model's own token
-                   self.context_len - len(req.origin_ids) - len(req.output_ids) - 1)
-
-    def _propose_ngram(self, req: Req) -> None:
-        """Append the tokens that followed the latest earlier occurrence of the request's tail."""
-        a = self.args
-        k = self._draft_budget(req)
-        if k <= 0:
-            return
-        if req.ngram is None:
-            req.ngram = NgramIndex(a.speculative_ngram_min_match, a.speculative_ngram_max_match)
-        if req.ngram_length is None:
-            req.ngram_length = DraftLength(a.speculative_num_draft_tokens, shrink=False)
-        k = min(k, req.ngram_length.take())
-        if k <= 0:   # pausing after rejected rounds
-            return
-        self._append_drafts(req, req.ngram.propose(req.fill_ids, k), self._direct_jump(req))
-        if req.num_draft:
-            req.draft_source = "ngram"
-
-    def _propose_from_draft_model(self) -> None:
-        """Draft for every request queued this step in one batched call of the draft model."""
-        if not self._draft_queue:
-            return
-        queue, self._draft_queue = self._draft_queue, []
-        proposals = self.draft.propose([(req.rid, req.fill_ids, k) for req, k in queue])
-        for (req, _), tokens in zip(queue, proposals):
-            self._append_drafts(req, tokens, self._direct_jump(req))
-            if req.num_draft:
-                req.draft_source = "draft"
-
-    @staticmethod
-    def _append_drafts(req: Req, tokens: list[int], stop_before_forced: bool = False) -> None:
-        """Drafts up to the first one the grammar (if any) rejects; the matcher accepts them.
-        `stop_before_forced`: also stop before a draft after which the grammar forces text — there
-        decoding would jump forward instead of sampling the next token, so verification must end
-        at that position (`_accept_drafts` then jumps, as decoding does)."""
-        for t in tokens:
-            if req.matcher is not None:
-                if not req.matcher.accept(t):
-                    break
-                if stop_before_forced and req.matcher.forced_text():
-                    req.matcher.rollback(1)
-                    break
-            req.output_ids.append(t)
-            req.num_draft += 1
-
-    def _drop_drafts(self, req: Req) -> None:
-        if req.num_draft:
-            if req.matcher is not None:
-                req.matcher.rollback(req.num_draft)
-            del req.output_ids[-req.num_draft:]
-            req.num_draft = 0
-
-    def _verify_drafts(self, reqs: list[Req], logits: torch.Tensor, rows_of) -> list[TokenOutput]:
-        """Verify every drafted request of the step in one sampler call. For a request with k
-        drafts, row i holds the logits after its last committed token and drafts[:i]; each row is
-        sampled exactly as decoding one token at a time would sample it there (same penalties,
-        grammar mask, min_new_tokens, seed and step). Drafts are kept while they equal those
-        draws; the first draw that differs (or the one after the last draft) is the model's own
-        token. Greedy: lossless; sampled: see plait.runtime.speculative.ngram."""
-        idx, params, seeds, steps, prompts, outs, drafts_of = [], [], [], [], [], [], []
-        for req in reqs:
-            k = req.num_draft
-            drafts, base = req.output_ids[-k:], req.output_ids[:-k]
-            first, count = rows_of[id(req)]
-            idx += range(first, first + count)
-            penalised = _has_penalty(req.params)
-            for i in range(k + 1):
-                params.append(req.params)
-                seeds.append(req.seed)
-                steps.append(len(base) + i)
-                prompts.append(req.origin_ids)
-                outs.append(base + drafts[:i] if penalised else base)   # only penalties read them
-            drafts_of.append(drafts)
-        rows = torch.tensor(idx, dtype=torch.int64, device=logits.device)
-        row_logits = logits.index_select(0, rows)
-        # logprobs report the model's distribution, before grammar masks and penalties
-        logprobs = torch.log_softmax(row_logits, dim=-1) if any(r.return_logprob for r in reqs) else None
-        self._apply_draft_masks(reqs, drafts_of, row_logits)
-        sbatch = SamplingBatch.build(params, seeds, steps, prompts, outs, sorted(self.eos_ids),
-                                     self.runner.vocab_size, device=logits.device)
-        targets = self.sampler(row_logits, sbatch).tolist()
-        results, off = [], 0
-        for req, drafts in zip(reqs, drafts_of):
-            n = len(drafts) + 1
-            lp = logprobs[off:off + n] if logprobs is not None and req.return_logprob else None
-            results.append(self._accept_drafts(req, drafts, targets[off:off + n], lp))
-            off += n
-        return results
-
-    def _apply_draft_masks(self, reqs: list[Req], drafts_of: list[list[int]], row_logits: torch.Tensor) -> None:
-        """Grammar masks for every draft position: the matcher is walked back over the drafts and
-        forward again, filling one mask row per position; it ends at the last committed token."""
-        total = sum(len(d) + 1 for r, d in zip(reqs, drafts_of) if r.matcher is not None)
-        if not total:
-            return
-        mask = self._grammar_bitmask(total)
-        idx, off = [], 0
-        for req, drafts in zip(reqs, drafts_of):
-            k = len(drafts)
-            if req.matcher is not None:
-                m = req.matcher
-                m.rollback(k)
-                for i in range(k + 1):
-                    m.fill_mask(mask, len(idx))
-                    idx.append(off + i)
-                    if i < k:
-                        m.accept(drafts[i])
-                m.rollback(k)
-            off += k + 1
-        self._apply_mask_rows(mask, idx, row_logits)
-
-    def _accept_drafts(self, req: Req, drafts: list[int], targets: list[int], lp: torch.Tensor | None) -> TokenOutput:
-        """Commit the kept drafts and the model's own token, checking finish after each exactly
-        as single-token decoding does; free the KV slots of rejected drafts."""
-        k = len(drafts)
-        end = req.fill_len                      # positions that got KV this step
-        del req.output_ids[-k:]                 # (the matcher is already back before the drafts)
-        req.num_draft = 0
-        start = len(req.output_ids)
-        valid_kv = req.fill_len                 # the last committed token's KV was computed this step
-        reason = None
-        kept = 0
-        for i, tok in enumerate(targets):
-            if req.matcher is not None and not req.matcher.accept(tok):
-                reason = _grammar_rejected(req.matcher, tok, self.runner.vocab_size)
-                break
-            req.output_ids.append(tok)
-            matched = i < k and tok == drafts[i]
-            kept += matched                     # a kept draft: its KV (computed this step) stands
-            reason = self._check_finish(req, tok)
-            if reason is not None or not matched:
-                break
-        if reason is None and self._direct_jump(req) and self._jump_forward(req):
-            reason = self._check_finish(req, req.output_ids[-1])   # as after a sampled token
-        new = req.output_ids[start:]
-        self.num_generated_tokens += len(new)
-        if req.draft_source in ("ngram", "draft"):
-            self.num_spec_proposed_tokens += k
-            self.num_spec_accepted_tokens += kept
-            if req.draft_source == "ngram":   # (the draft model tracks its own from the committed ids)
-                req.ngram_length.record(k, kept)
-        else:
-            self.num_jump_forward_tokens += max(len(new) - 1, 0)
-        # KV stands for the kept drafts only: not for the model's own last token (its slot may
-        # hold a rejected draft's KV) nor for an EOS a finished grammar appended.
-        req.kv_len = valid_kv + kept
-        if end > req.kv_len:                    # slots of rejected drafts
-            self.allocator.free(self.table.table[req.row, req.kv_len:end].clone())
-        out = TokenOutput(rid=req.rid, new_ids=new, prompt_tokens=len(req.origin_ids),
-                          cached_tokens=max(req.cached_tokens, 0), finish_reason=reason)
-        if lp is not None:
-            sampled = len(new) if reason is None or req.matcher is None else min(len(new), kept + 1)
-            out.output_logprobs = [[float(lp[i, t]), t] for i, t in enumerate(new[:sampled])]
-            if req.top_logprobs_num > 0:
-                out.output_top_logprobs = [_top(lp[i], req.top_logprobs_num) for i in range(sampled)]
-        if reason is None:
-            self._propose(req)
-        return out
-
-    def _jump_forward(self, req: Req) -> bool:
-        """Append the text the grammar forces next without sampling it. The just-sampled token has
-        no KV yet, so it is re-tokenized together with the forced text: the tokens are the ones the
-        tokenizer would produce for that text. True if the output changed."""
-        forced = req.matcher.forced_text()
-        budget = req.params.max_new_tokens - len(req.output_ids)
-        if not forced or budget <= 0:
-            return False
-        last = req.output_ids[-1]
-        last_text = self.tokenizer.decode([last])
-        replace = "\ufffd" not in last_text        # a partial UTF-8 byte can't be re-tokenized alone
-        ids = self.tokenizer.encode((last_text if replace else "") + forced, add_special_tokens=False)
-        if replace and ids and ids[0] == last:
-            ids, replace = ids[1:], False
-        if replace:
-            req.matcher.rollback(1)
-            budget += 1
-        accepted = []
-        for t in ids[:budget]:
-            if not req.matcher.accept(t):
-                break
-            accepted.append(t)
-        if replace and not accepted:             # keep what was sampled
-            req.matcher.accept(last)
-            return False
-        if replace:
-            req.output_ids[-1:] = accepted
-        else:
-            req.output_ids += accepted
-        self.num_jump_forward_tokens += len(accepted)
-        return bool(accepted) or replace
-
-    def _grammar_bitmask(self, rows: int) -> torch.Tensor:
-        """A packed bitmask of at least `rows` rows, allocated once and reused every step."""
-        if self._bitmask is None or self._bitmask.shape[0] < rows:
-            from plait.grammar import allocate_token_bitmask
-            self._bitmask = allocate_token_bitmask(max(rows, self.args.max_running_requests), self.runner.vocab_size)
-        return self._bitmask[:rows]
-
-    def _apply_grammar_masks(self, reqs: list[Req], row_logits: torch.Tensor) -> None:
-        """-inf on every token the grammar of each constrained row disallows (one packed bitmask)."""
-        idx = [i for i, r in enumerate(reqs) if r.matcher is not None]
-        if not idx:
-            return
-        mask = self._grammar_bitmask(len(idx))
-        for j, i in enumerate(idx):
-            reqs[i].matcher.fill_mask(mask, j)
-        self._apply_mask_rows(mask, idx, row_logits)
-
-    def _apply_mask_rows(self, mask: torch.Tensor, idx: list[int], row_logits: torch.Tensor) -> None:
-        """Apply mask row j to logits row idx[j], in place. The mask is applied to all rows at
-        once, unconstrained ones getting an all-allowed row: copying the constrained logits rows
-        out and back costs ~30x more than the mask itself."""
-        from plait.grammar import apply_token_bitmask_
-        n = row_logits.shape[0]
-        if idx != list(range(n)):
-            full = self._full_mask_buffer(n, mask.shape[1])
-            full.fill_(-1)
-            full[torch.tensor(idx, dtype=torch.int64)] = mask[:len(idx)]
-            mask = full
-        apply_token_bitmask_(row_logits, mask[:n].to(row_logits.device))
-
-    def _full_mask_buffer(self, rows: int, width: int) -> torch.Tensor:
-        """A [rows, width] int32 buffer reused across steps (grown when a batch needs more)."""
-        buf = self._full_bitmask
-        if buf is None or buf.shape[0] < rows:
-            buf = self._full_bitmask = torch.empty(max(rows, self.args.max_running_requests), width,
-                                                   dtype=torch.int32)
-        return buf[:rows]
-
-    # --- logprobs --------------------------------------------------------------------------
-    def _collect_input_logprobs(self, req: Req, start: int, logits: torch.Tensor) -> None:
-        """Logits row i (position start+i) scores prompt token start+i+1."""
-        ids = req.origin_ids
-        lo = max(req.logprob_start_len, 1)
-        idx = [i for i in range(logits.shape[0]) if lo <= start + i + 1 < len(ids)]
-        if not idx:
-            return
-        lp = torch.log_softmax(logits[idx], dim=-1)
-        targets = torch.tensor([ids[start + i + 1] for i in idx])
-        vals = lp.gather(1, targets[:, None])[:, 0].tolist()
-        req.input_logprobs += [[v, t] for v, t in zip(vals, targets.tolist())]
-        if req.top_logprobs_num > 0:
-            req.input_top_logprobs += [_top(row, req.top_logprobs_num) for row in lp]
-
-    def _attach_input_logprobs(self, req: Req, out: TokenOutput) -> None:
-        if not (req.return_logprob and req.logprob_start_len >= 0):
-            return
-        head = [[None, req.origin_ids[0]]] if req.logprob_start_len == 0 else []
-        out.input_logprobs = head + req.input_logprobs
-        if req.top_logprobs_num > 0:
-            out.input_top_logprobs = ([None] if head else []) + req.input_top_logprobs
 
     # --- finishing and KV release -----------------------------------------------------------
     def _check_finish(self, req: Req, tok: int) -> dict | None:
@@ -815,10 +505,6 @@ class Scheduler:
         if len(req.origin_ids) + n >= self.context_len:
             return {"type": "length", "length": n}
         return None
-
-    def _grammar_eos(self) -> int:
-        eos = self.tokenizer.eos_token_id
-        return eos if eos in self.eos_ids else min(self.eos_ids)
 
     def _cache_prefix(self, req: Req) -> None:
         """Insert the request's computed tokens into the cache and lock them, so requests that
@@ -865,15 +551,6 @@ class Scheduler:
                            prompt_tokens=len(req.origin_ids), cached_tokens=max(req.cached_tokens, 0))
 
 
-def _has_penalty(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-
-
-def _top(row: torch.Tensor, k: int) -> list[list]:
-    vals, ids = torch.topk(row, k)
-    return [[v, i] for v, i in zip(vals.tolist(), ids.tolist())]
-
-
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
     return len(os.path.commonprefix([a, b]))
 
@@ -888,14 +565,3 @@ def _eos_ids(config, tokenizer) -> set[int]:
     return ids
 
 
-def _grammar_rejected(matcher, tok: int, vocab_size: int) -> dict:
-    """The abort reason when a grammar refuses the sampled token: the client's grammar when it
-    allows no token at all (it cannot be met with this vocabulary: a 400), else a bug (a 500)."""
-    from plait.grammar import allocate_token_bitmask
-    mask = allocate_token_bitmask(1, vocab_size)
-    mask.zero_()
-    matcher.fill_mask(mask, 0)
-    if not bool(mask.any()):
-        return {"type": "abort", "message": "invalid grammar: no token of the model's vocabulary can continue the "
-                                            "constrained output"}
-    return {"type": "abort", "message": f"internal error: the grammar rejected sampled token {tok}"}

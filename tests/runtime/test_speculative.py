@@ -358,7 +358,7 @@ def test_engine_reports_acceptance(smollm2_path):
 def test_greedy_grammar_drafts_only_at_small_batches(tiny_runner, monkeypatch):
     """Above the batch threshold greedy constrained requests decode one token per step (no
     forced-text drafts): the same text, no jump-forward tokens."""
-    import plait.runtime.scheduler.scheduler as sched
+    import plait.runtime.scheduler.speculation as sched
     schema = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
                          "required": ["name"]})
     def reqs():
