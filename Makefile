@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.plait-setup
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup run example test test-quick bench clean
+.PHONY: setup run example lint test test-quick bench clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,11 @@ run: setup
 
 example: setup
 	$(PY) examples/quickstart_engine.py
+
+# ruff's lint rules (pyproject.toml [tool.ruff]). `ruff format` is not applied yet: it would rewrite
+# most files' wrapping at once; that belongs in its own commit.
+lint: setup
+	$(PY) -m ruff check .
 
 # The whole suite, slowest tests listed. PLAIT_CPU_MARCH=x86-64-v3 (or x86-64, ...) runs it on that
 # kernel path; PLAIT_CPU_KERNELS=0 on the eager ops alone.

@@ -22,13 +22,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 import torch.nn.functional as F
+
+from plait.runtime.mem_cache.memory_pool import KVPool
 from plait.runtime.model_executor.attention import (
     AttentionBackend,
     MirroredAttention,
     TorchNativeAttention,
 )
 from plait.runtime.model_executor.forward_batch import ForwardBatch
-from plait.runtime.mem_cache.memory_pool import KVPool
 
 # SmolLM2-135M
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64

@@ -231,10 +231,9 @@ def run_programs(args, engine, llama) -> dict:
 
 def compare(args) -> dict:
     """Run the chosen workloads on every engine, alternating; returns the results and notes."""
+    import plait
     from plait.benchmarks.offline import hf_generate, load_hf, make_prompts
     from plait.runtime.model_executor.model_loader import load_tokenizer, resolve_model
-
-    import plait
     tokenizer = load_tokenizer(resolve_model(args.model))
     prompts = make_prompts(tokenizer, max(args.concurrency) * args.waves)
     levels = sorted(args.concurrency)

@@ -172,10 +172,11 @@ def throughput(engine, schemas, concurrency: int, num_requests: int, max_new_tok
 def run(args) -> dict:
     import dataclasses
 
+    from transformers import AutoTokenizer
+
     import plait
     from plait.runtime.model_executor.model_loader import resolve_model
     from plait.runtime.server_args import ServerArgs
-    from transformers import AutoTokenizer
 
     sc = _corpus()
     schemas = list(sc.SCHEMAS)

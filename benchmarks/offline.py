@@ -11,7 +11,7 @@ import json
 import os
 import time
 
-from plait.runtime.server_args import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, set_openmp_defaults
+from plait.runtime.server_args import KV_CACHE_DTYPE_CHOICES, set_openmp_defaults
 
 # Both engines get the OpenMP settings of plait's scheduler process (HF runs in this one).
 set_openmp_defaults()
@@ -52,8 +52,9 @@ def bench_plait(args, prompts: list[str]) -> dict:
 def load_hf(model: str, dtype: str, threads: int):
     """(HF model, left-padding tokenizer) for `model` in `dtype` (auto: float32)."""
     import torch
-    from plait.runtime.model_executor.model_loader import resolve_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from plait.runtime.model_executor.model_loader import resolve_model
     torch.set_num_threads(threads)
     path = resolve_model(model)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype if dtype != "auto" else "float32"]

@@ -38,6 +38,7 @@ def _huge_page_floats(n: int):
     """n float32 ones in huge pages (as plait's weights are, see weight_arena); None where the kernel
     refuses them."""
     import torch
+
     from plait.runtime.model_executor.weight_arena import huge_page_buffer
     raw = huge_page_buffer(n * 4)
     return None if raw is None else raw.view(torch.float32).fill_(1.0)
@@ -61,7 +62,7 @@ def measure_bandwidth(size_mb: int = 512, reps: int = 5) -> dict:
             continue
         dst = torch.empty_like(src)
         out[f"read_gbs_{pages}"] = _read_gbs(src, reps)
-        out[f"copy_gbs_{pages}"] = 2 * n * 4 / _best_seconds(lambda: dst.copy_(src), reps) / 1e9
+        out[f"copy_gbs_{pages}"] = 2 * n * 4 / _best_seconds(lambda: dst.copy_(src), reps) / 1e9  # noqa: F821 (bound; del'd below)
         del src, dst
     out["read_gbs"] = max(v for k, v in out.items() if k.startswith("read"))
     out["copy_gbs"] = max(v for k, v in out.items() if k.startswith("copy"))
@@ -90,6 +91,7 @@ def measure_matmul(kind: str, m: int, n: int = 2048, k: int = 2048, reps: int = 
     """GFLOP/s of `[m, k] x [k, n]` for kind float32 / bfloat16 (prepacked oneDNN when available,
     as plait runs them), int8 or int4 (plait's Int8Linear / Int4Linear)."""
     import torch
+
     from plait.runtime.kernels.cpu import cpu_kernels
     from plait.runtime.layers.prepack import PackedLinear, prepack_available
     from plait.runtime.layers.quantization import Int4Linear, Int8Linear
@@ -175,6 +177,7 @@ def _kind(model_path: str, dtype: str, quantization: str | None) -> str:
         return quantization
     if dtype == "auto":
         import torch
+
         from plait.runtime.model_executor.model_loader import load_config
         from plait.runtime.model_executor.model_runner import resolve_dtype
         return str(resolve_dtype("auto", load_config(model_path), torch.device("cpu"))).removeprefix("torch.")

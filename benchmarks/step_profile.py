@@ -22,7 +22,7 @@ import random
 import statistics
 import time
 
-from plait.runtime.server_args import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, ServerArgs, set_openmp_defaults
+from plait.runtime.server_args import KV_CACHE_DTYPE_CHOICES, ServerArgs, set_openmp_defaults
 
 set_openmp_defaults()   # as the scheduler process has them
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import time
 
-import plait
 from _backend import default_backend
+
+import plait
 
 COUNTRIES = ["France", "Germany", "Italy", "Spain", "Japan", "China", "India", "Brazil", "Canada", "Egypt"]
 

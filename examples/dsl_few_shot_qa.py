@@ -4,8 +4,9 @@
 """
 from __future__ import annotations
 
-import plait
 from _backend import default_backend
+
+import plait
 
 EXAMPLES = [("What is the capital of Germany?", "Berlin"), ("What is the capital of Japan?", "Tokyo"),
             ("What is the capital of Italy?", "Rome")]

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 
 import pydantic
+from _backend import default_backend
 
 import plait
-from _backend import default_backend
 
 CITY_SCHEMA = {
     "type": "object",

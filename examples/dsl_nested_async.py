@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 
-import plait
 from _backend import default_backend
+
+import plait
 
 
 @plait.function

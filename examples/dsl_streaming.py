@@ -5,8 +5,9 @@
 """
 from __future__ import annotations
 
-import plait
 from _backend import default_backend
+
+import plait
 
 
 @plait.function

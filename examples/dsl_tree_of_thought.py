@@ -5,8 +5,9 @@ model judge them and pick the best one.
 """
 from __future__ import annotations
 
-import plait
 from _backend import default_backend
+
+import plait
 
 
 @plait.function

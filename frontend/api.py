@@ -18,8 +18,21 @@ from typing import Any, Callable, Iterator
 from . import context
 from .backends import BaseBackend, as_backend
 from .interpreter import ProgramState, StreamExecutor
-from .ir import (REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR, Call, ExprList, Gen, Role, RoleBegin, RoleEnd,
-                 Select, SeparateReasoning, schema_to_str)
+from .ir import (
+    REGEX_BOOL,
+    REGEX_FLOAT,
+    REGEX_INT,
+    REGEX_STR,
+    Call,
+    ExprList,
+    Gen,
+    Role,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    SeparateReasoning,
+    schema_to_str,
+)
 from .reasoning import think_format
 
 token_length_normalized = "token_length_normalized"

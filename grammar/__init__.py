@@ -19,7 +19,7 @@ import importlib
 import threading
 from typing import Any
 
-from .base import (KINDS, Grammar, GrammarBackend, GrammarError, GrammarSpec, Matcher, canonical_json)
+from .base import KINDS, Grammar, GrammarBackend, GrammarError, GrammarSpec, Matcher, canonical_json
 from .cache import GrammarCache
 from .tokenizer_info import TokenizerInfo
 

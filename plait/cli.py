@@ -9,8 +9,16 @@ import logging
 import os
 import sys
 
-from plait.runtime.server_args import (DTYPE_CHOICES, GRAMMAR_BACKENDS, KV_CACHE_DTYPE_CHOICES, PYTHON_ONLY,
-                                      QUANTIZATIONS, SCHEDULE_POLICIES, SPECULATIVE_ALGORITHMS, ServerArgs)
+from plait.runtime.server_args import (
+    DTYPE_CHOICES,
+    GRAMMAR_BACKENDS,
+    KV_CACHE_DTYPE_CHOICES,
+    PYTHON_ONLY,
+    QUANTIZATIONS,
+    SCHEDULE_POLICIES,
+    SPECULATIVE_ALGORITHMS,
+    ServerArgs,
+)
 
 # Before torch is imported (see plait/__init__.py).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -224,8 +232,12 @@ def _replica_flags(ns: argparse.Namespace) -> list[str]:
 
 
 def _add_router_args(p: argparse.ArgumentParser) -> None:
-    from plait.runtime.router.policy import (DEFAULT_BALANCE_ABS_THRESHOLD, DEFAULT_BALANCE_REL_THRESHOLD,
-                                             DEFAULT_CACHE_THRESHOLD, POLICIES)
+    from plait.runtime.router.policy import (
+        DEFAULT_BALANCE_ABS_THRESHOLD,
+        DEFAULT_BALANCE_REL_THRESHOLD,
+        DEFAULT_CACHE_THRESHOLD,
+        POLICIES,
+    )
     p.add_argument("--worker-urls", nargs="+", required=True, metavar="URL", help="the plait servers to route to")
     p.add_argument("--host", default=DEFAULT_HOST)
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
@@ -246,8 +258,8 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
 
 def router(ns: argparse.Namespace) -> int:
     """`plait router`: route over running plait servers until signalled."""
-    from plait.runtime.router.router import Router, run_router
     from plait.runtime.router.policy import make_policy
+    from plait.runtime.router.router import Router, run_router
     if not 0 < ns.port < 65536:
         return _fail(f"--port must be in 1..65535, got {ns.port}", 2)
     if ns.health_interval <= 0:

@@ -26,11 +26,11 @@ from typing import Any, AsyncIterator, Callable, Iterator
 import msgspec
 
 from .managers.detokenizer import stop_holdback, trim_stop
+from .managers.scheduler_client import SchedulerClient
 from .model_executor.model_loader import load_config, load_tokenizer, resolve_model
 from .output_check import schema_violation
 from .request import GenerateInput, TokenOutput
 from .sampling_params import SamplingParams
-from .managers.scheduler_client import SchedulerClient
 from .server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ class Engine:
         # Resolved here, once (a GGUF is converted once), and checked before any process starts,
         # so an unknown path or an unsupported architecture raises its ValueError directly.
         self.model_path: str = resolve_model(self.args.model, revision=self.args.revision)
-        from .models import get_model_class   # imports torch: only when an engine is made
+        from .models import get_model_class  # imports torch: only when an engine is made
         config = load_config(self.model_path)
         get_model_class(config)
         if self.args.speculative_draft_model:   # the draft model too, before the target loads

@@ -5,7 +5,6 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")   # dtype's (auto: the model's)
 # kv_cache_dtype's: the model's dtypes and, as SGLang names them, 8-bit floats (no scales: SmolLM2's
 # K/V stay below 25 in magnitude, e4m3 holds up to 448); vLLM's "fp8" is fp8_e4m3

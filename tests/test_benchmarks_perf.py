@@ -10,9 +10,10 @@ import torch
 
 
 def test_roofline_counts_the_linear_weights(tiny_model_dirs):
+    from transformers import AutoModelForCausalLM
+
     from plait.benchmarks.roofline import model_costs
     from plait.runtime.model_executor.model_loader import load_config
-    from transformers import AutoModelForCausalLM
     for arch in ("llama", "qwen2"):   # tied and untied LM head
         path = tiny_model_dirs[arch]
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -218,6 +219,7 @@ def test_compare_drives_llama_server(tiny_model_dirs, tmp_path, monkeypatch):
     import sys
 
     from conftest import free_port
+
     from plait.benchmarks import compare
     log = tmp_path / "requests.jsonl"
     server = tmp_path / "bin" / "llama-server"

@@ -355,7 +355,7 @@ class ParallelLMHead(nn.Module):
         if _tp.size != 1 or packed is None or not getattr(packed, "widens", False) or not hasattr(packed, "decode_kernel"):
             return None
         spec = packed.decode_kernel(rows, dtype)
-        from ..layers.prepack import PackedLinear   # kind 0 widens in PackedLinear's forward only
+        from ..layers.prepack import PackedLinear  # kind 0 widens in PackedLinear's forward only
         if spec is None or spec[0] not in (0, 2, 3) or (spec[0] == 0) != isinstance(packed, PackedLinear):
             return None
         return spec

@@ -6,6 +6,7 @@ IncrementalDetokenizer runs in the detokenizer process (`detokenizer_process.py`
 helpers run in the engine's process, on each request's accumulated text."""
 from __future__ import annotations
 
+
 class IncrementalDetokenizer:
     """Per-request decoder: `add(ids)` appends tokens, `text` is the stable text so far.
 

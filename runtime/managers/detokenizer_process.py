@@ -21,6 +21,7 @@ from typing import Any
 
 import zmq
 
+from ..request import TokenOutput
 from .detokenizer import IncrementalDetokenizer
 from .ipc import (
     DETOKENIZER_OUT,
@@ -35,7 +36,6 @@ from .ipc import (
     push_socket,
     remove_ipc_dir,
 )
-from ..request import TokenOutput
 
 logger = logging.getLogger(__name__)
 

@@ -20,13 +20,29 @@ from typing import Any, Callable
 import msgspec
 import zmq
 
-from .detokenizer_process import run_detokenizer
-from .ipc import (DETOKENIZER_OUT, SCHEDULER_IN, SCHEDULER_OUT, AbortReq, Codec, Fatal, FromDetokenizer, Ready,
-                  RpcReply, RpcReq, Shutdown, TokenOutputBatch, endpoint, make_ipc_dir, pull_socket, push_socket,
-                  remove_ipc_dir)
 from ..request import GenerateInput, TokenOutput
-from .scheduler_process import free_loopback_addr, openmp_environ, run_scheduler, tp_worker_processes
 from ..server_args import ServerArgs
+from .detokenizer_process import run_detokenizer
+from .ipc import (
+    DETOKENIZER_OUT,
+    SCHEDULER_IN,
+    SCHEDULER_OUT,
+    AbortReq,
+    Codec,
+    Fatal,
+    FromDetokenizer,
+    Ready,
+    RpcReply,
+    RpcReq,
+    Shutdown,
+    TokenOutputBatch,
+    endpoint,
+    make_ipc_dir,
+    pull_socket,
+    push_socket,
+    remove_ipc_dir,
+)
+from .scheduler_process import free_loopback_addr, openmp_environ, run_scheduler, tp_worker_processes
 
 logger = logging.getLogger(__name__)
 

@@ -30,10 +30,25 @@ from typing import Any, Callable, Iterator
 import msgspec
 import zmq
 
-from .ipc import (SCHEDULER_IN, SCHEDULER_OUT, AbortReq, Codec, Fatal, Ready, RpcReply, RpcReq, Shutdown,
-                  ToScheduler, TokenOutputBatch, endpoint, pull_socket, push_socket, remove_ipc_dir)
 from ..request import GenerateInput, TokenOutput
 from ..server_args import OPENMP_SETTINGS, ServerArgs, set_openmp_defaults
+from .ipc import (
+    SCHEDULER_IN,
+    SCHEDULER_OUT,
+    AbortReq,
+    Codec,
+    Fatal,
+    Ready,
+    RpcReply,
+    RpcReq,
+    Shutdown,
+    TokenOutputBatch,
+    ToScheduler,
+    endpoint,
+    pull_socket,
+    push_socket,
+    remove_ipc_dir,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from ..kernels.cpu import cpu_kernels
 from ..mem_cache.decode_mirror import DecodeMirror, MirrorPlan
-from .forward_batch import AttnGroup, ForwardBatch
 from ..mem_cache.memory_pool import FP8_DTYPES, KVPool, index_select_bits
+from .forward_batch import AttnGroup, ForwardBatch
 
 
 def sdpa_dtype(kv_dtype: torch.dtype, device: torch.device) -> torch.dtype:

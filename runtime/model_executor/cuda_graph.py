@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from ..mem_cache.memory_pool import FP8_DTYPES, PAD_SLOT, KVPool, index_copy_bits_, index_select_bits
 from .attention import AttentionBackend, sdpa_dtype
 from .forward_batch import AttnGroup, ForwardBatch
-from ..mem_cache.memory_pool import FP8_DTYPES, PAD_SLOT, KVPool, index_copy_bits_, index_select_bits
 
 if TYPE_CHECKING:
     from .model_runner import ModelRunner

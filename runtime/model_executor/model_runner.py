@@ -8,17 +8,27 @@ import sys
 import torch
 from tqdm import tqdm
 
+from ..distributed.parallel import (
+    FORWARD,
+    STOP,
+    RankFailure,
+    StepChannel,
+    all_reduce_min,
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+    rank_device,
+    ranks_on_this_node,
+    threads_per_rank,
+)
 from ..kernels.cpu import cpu_kernels
+from ..mem_cache.memory_pool import KVPool
+from ..models import get_model_class
+from ..server_args import ServerArgs, kv_cache_torch_dtype
 from . import weight_arena
 from .attention import make_attention_backend
 from .cuda_graph import make_decode_graph_runner
 from .forward_batch import ForwardBatch
-from ..mem_cache.memory_pool import KVPool
 from .model_loader import load_config, load_tokenizer, load_weights, resolve_model
-from ..models import get_model_class
-from ..distributed.parallel import (FORWARD, STOP, RankFailure, StepChannel, all_reduce_min, destroy_tensor_parallel,
-                       init_tensor_parallel, rank_device, ranks_on_this_node, threads_per_rank)
-from ..server_args import ServerArgs, kv_cache_torch_dtype
 
 logger = logging.getLogger(__name__)
 

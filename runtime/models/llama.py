@@ -11,11 +11,17 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from ..distributed.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    head_split,
+    unwrap_single_rank,
+)
 from ..kernels.cpu import cpu_kernels
 from ..model_executor.attention import AttentionBackend
 from ..model_executor.forward_batch import ForwardBatch
-from ..distributed.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
-                        head_split, unwrap_single_rank)
 
 
 def rope_parameters(config) -> dict:

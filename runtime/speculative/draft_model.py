@@ -22,8 +22,8 @@ import os
 
 import torch
 
-from ..model_executor.forward_batch import ForwardBatch
 from ..mem_cache.memory_pool import ReqToTokenTable, TokenSlotAllocator
+from ..model_executor.forward_batch import ForwardBatch
 from ..model_executor.model_loader import load_config, resolve_model
 from ..model_executor.model_runner import ModelRunner
 from ..server_args import ServerArgs

@@ -14,10 +14,10 @@ from typing import Literal
 import jsonschema
 import pydantic
 import pytest
+from conftest import SlowBackend, serve
 
 import plait
 from plait.frontend import ProgramError
-from conftest import SlowBackend, serve
 
 GREEDY = {"temperature": 0}
 

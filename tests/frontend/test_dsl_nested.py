@@ -11,10 +11,10 @@ import sys
 import time
 
 import pytest
+from conftest import SlowBackend, assert_no_leak, serve
 
 import plait
 from plait.frontend import ProgramError
-from conftest import SlowBackend, assert_no_leak, serve
 
 GREEDY = {"temperature": 0}
 

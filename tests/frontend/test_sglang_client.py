@@ -14,8 +14,9 @@ import pytest
 
 sgl = pytest.importorskip("sglang", reason="sglang frontend not installed (pip install --no-deps sglang==0.5.5)")
 
-from plait.runtime.server.http_server import create_app  # noqa: E402
 from conftest import serve  # noqa: E402
+
+from plait.runtime.server.http_server import create_app  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -14,9 +14,19 @@ import time
 import pytest
 import torch
 
-from plait.grammar import (Grammar, GrammarBackend, GrammarCache, GrammarError, GrammarSpec, Matcher,
-                           TokenizerInfo, allocate_token_bitmask, apply_token_bitmask_, canonical_json,
-                           make_backend)
+from plait.grammar import (
+    Grammar,
+    GrammarBackend,
+    GrammarCache,
+    GrammarError,
+    GrammarSpec,
+    Matcher,
+    TokenizerInfo,
+    allocate_token_bitmask,
+    apply_token_bitmask_,
+    canonical_json,
+    make_backend,
+)
 from plait.grammar.bitmask import _apply_torch, set_token_bits, unpack_bitmask
 from plait.grammar.tokenizer_info import _bytes_to_unicode
 

@@ -7,9 +7,9 @@ import json
 
 import jsonschema
 import pytest
+from conftest import assert_no_leak
 
 import plait
-from conftest import assert_no_leak
 
 pytestmark = pytest.mark.integration
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from plait.runtime.kernels.cpu import cpu_kernels
 
 ZEN4 = "fpu sse2 avx avx2 fma f16c bmi2 avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16 avx512_vnni"

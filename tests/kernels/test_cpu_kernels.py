@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import require_kernels
+
 from plait.runtime.kernels.cpu import cpu_kernels
 
 DTYPES = [torch.float32, torch.bfloat16]

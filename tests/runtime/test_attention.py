@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from plait.runtime.kernels.cpu import cpu_kernels
+from plait.runtime.mem_cache.memory_pool import KVPool, ReqToTokenTable, TokenSlotAllocator
 from plait.runtime.model_executor import weight_arena
 from plait.runtime.model_executor.attention import MirroredAttention, TorchNativeAttention
 from plait.runtime.model_executor.forward_batch import ForwardBatch
-from plait.runtime.mem_cache.memory_pool import KVPool, ReqToTokenTable, TokenSlotAllocator
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 8
 SCALE = HEAD_DIM ** -0.5

@@ -8,8 +8,9 @@ import contextlib
 import pytest
 import torch
 from conftest import assert_no_leak
-from plait.runtime.model_executor.cuda_graph import DecodeGraphRunner, bs_buckets, kv_buckets
+
 from plait.runtime.mem_cache.memory_pool import PAD_SLOT
+from plait.runtime.model_executor.cuda_graph import DecodeGraphRunner, bs_buckets, kv_buckets
 from plait.runtime.model_executor.model_runner import ModelRunner
 from plait.runtime.request import GenerateInput
 from plait.runtime.sampling_params import SamplingParams

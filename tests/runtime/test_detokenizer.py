@@ -5,6 +5,7 @@ when a request finishes."""
 from __future__ import annotations
 
 import pytest
+
 from plait.runtime.managers.detokenizer_process import DetokenizerWorker
 from plait.runtime.managers.ipc import Codec, Ready, RpcReply, ToDetokenizer, TokenOutputBatch
 from plait.runtime.request import TokenOutput

@@ -7,9 +7,9 @@ import re
 
 import pytest
 import torch
+from conftest import assert_no_leak
 
 import plait
-from conftest import assert_no_leak
 
 
 @pytest.fixture(scope="module")

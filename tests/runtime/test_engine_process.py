@@ -18,14 +18,25 @@ import time
 
 import msgspec
 import pytest
+from conftest import assert_no_leak
 
 import plait
-from conftest import assert_no_leak
-from plait.runtime.managers.ipc import (AbortReq, Codec, Fatal, FromScheduler, Ready, RpcReply, RpcReq, Shutdown,
-                               ToDetokenizer, ToScheduler, TokenOutputBatch)
+from plait.runtime.managers.ipc import (
+    AbortReq,
+    Codec,
+    Fatal,
+    FromScheduler,
+    Ready,
+    RpcReply,
+    RpcReq,
+    Shutdown,
+    ToDetokenizer,
+    TokenOutputBatch,
+    ToScheduler,
+)
+from plait.runtime.managers.scheduler_process import SchedulerWorker, openmp_environ
 from plait.runtime.request import GenerateInput, TokenOutput
 from plait.runtime.sampling_params import SamplingParams
-from plait.runtime.managers.scheduler_process import SchedulerWorker, openmp_environ
 from plait.runtime.server_args import ServerArgs
 
 LONG = {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY_ARCHS, require_kernels
 from transformers import AutoModelForCausalLM
 
 from plait.runtime.kernels.cpu import cpu_kernels
-from plait.runtime.model_executor.forward_batch import ForwardBatch
 from plait.runtime.mem_cache.memory_pool import ReqToTokenTable, TokenSlotAllocator
+from plait.runtime.model_executor.forward_batch import ForwardBatch
 from plait.runtime.model_executor.model_runner import ModelRunner
 from plait.runtime.server_args import ServerArgs
-
-from conftest import TINY_ARCHS, require_kernels
 
 # float32 logits of magnitude ~15 from two implementations summing the same terms in other orders
 # (our kernels vs HF's eager ops). The worst case, ~11 sums in sequence of up to 128 terms each off

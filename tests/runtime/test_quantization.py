@@ -8,6 +8,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from test_model import Harness
+from torch import nn
+
 from plait.runtime.layers.quantization import (
     Fp8Linear,
     Int4Linear,
@@ -17,8 +20,6 @@ from plait.runtime.layers.quantization import (
     quantize_model,
 )
 from plait.runtime.server_args import ServerArgs
-from test_model import Harness
-from torch import nn
 
 
 def test_quantize_int8_round_trip():
@@ -220,6 +221,7 @@ def test_int4_recovers_the_bundled_gguf_codes():
     import numpy as np
     from gguf import GGUFReader
     from gguf.quants import dequantize
+
     from plait.runtime.model_executor.model_loader import _bundled_smollm2_gguf
     t = next(t for t in GGUFReader(_bundled_smollm2_gguf()).tensors if t.name == "blk.3.ffn_down.weight")
     assert t.tensor_type.name == "Q4_1"
@@ -319,9 +321,9 @@ def test_tiny_int4_model_through_engine(tiny_model_dirs):
     """The Engine with quantization=int4 generates what the int4 model computes directly, and its
     first greedy tokens are those of a float32 model holding the dequantized weights."""
     from conftest import assert_no_leak
-    from plait.runtime.distributed.parallel import ParallelLMHead
 
     import plait
+    from plait.runtime.distributed.parallel import ParallelLMHead
     path = tiny_model_dirs["qwen2"]   # untied LM head and q/k/v biases
     h = Harness(path)
     assert quantize_model(h.runner.model, "int4") > 0

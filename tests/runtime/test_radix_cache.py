@@ -5,8 +5,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
-                                 rule)
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from plait.runtime.mem_cache.memory_pool import TokenSlotAllocator
 from plait.runtime.mem_cache.radix_cache import NaiveCache, RadixCache

@@ -215,6 +215,7 @@ def test_repeated_decode_steps_advance_the_batch_and_equal_built_ones(path):
 
 def test_table_entries_are_a_view_of_the_row_range():
     import torch
+
     from plait.runtime.mem_cache.memory_pool import ReqToTokenTable
     t = ReqToTokenTable(3, 10)
     t.entries(1, 4, 3).copy_(torch.tensor([7, 8, 9]))

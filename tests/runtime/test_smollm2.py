@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_no_leak
 from transformers import AutoModelForCausalLM
 
 import plait
-from conftest import assert_no_leak
 
 pytestmark = pytest.mark.integration
 

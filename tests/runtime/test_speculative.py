@@ -10,13 +10,14 @@ import os
 import jsonschema
 import pytest
 import torch
-from plait.runtime.speculative.draft_model import DraftModel
+
+from plait.runtime.layers.sampler import Sampler, SamplingBatch
 from plait.runtime.model_executor.model_runner import ModelRunner
 from plait.runtime.request import GenerateInput
-from plait.runtime.layers.sampler import Sampler, SamplingBatch
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler.scheduler import Scheduler
 from plait.runtime.server_args import ServerArgs
+from plait.runtime.speculative.draft_model import DraftModel
 from plait.runtime.speculative.ngram import NgramIndex, accepted_prefix
 
 # --- the draft index ---------------------------------------------------------------------------
@@ -338,9 +339,9 @@ def test_json_schema_identical_and_valid(smol_runner):
 def test_engine_reports_acceptance(smollm2_path):
     """get_server_info and the metrics carry the acceptance counters (the process path)."""
     from conftest import assert_no_leak
-    from plait.runtime.server.metrics import ServerMetrics
 
     import plait
+    from plait.runtime.server.metrics import ServerMetrics
     with plait.Engine(model="smollm2", dtype="float32", max_total_tokens=4096,
                       speculative_algorithm="ngram") as eng:
         prompt = eng.tokenizer.apply_chat_template([{"role": "user", "content": "Repeat the following JSON exactly:\n" + DOC}],
@@ -588,9 +589,9 @@ def test_draft_args_errors(kw, message):
 def test_engine_draft_model(tiny_model_dirs):
     """The process path: a draft-model engine reports its acceptance and holds no draft slot idle."""
     from conftest import assert_no_leak
-    from plait.runtime.server.metrics import ServerMetrics
 
     import plait
+    from plait.runtime.server.metrics import ServerMetrics
     path = tiny_model_dirs["llama"]
     with plait.Engine(model=path, dtype="float32", max_total_tokens=2048, speculative_algorithm="draft",
                       speculative_draft_model=path, speculative_draft_max_tokens=512) as eng:

@@ -16,9 +16,9 @@ import threading
 import time
 
 import pytest
+from conftest import assert_no_leak, free_port
 
 import plait
-from conftest import assert_no_leak, free_port
 from plait.runtime.distributed import parallel
 from plait.runtime.request import GenerateInput
 from plait.runtime.sampling_params import SamplingParams
@@ -204,8 +204,8 @@ def _step_logits(s: Scheduler, seen: list, n: int) -> list:
 def _rank_main(args: ServerArgs, rank: int, results) -> None:
     """One tensor-parallel rank, as the engine's processes run it: rank 0 schedules and records
     the logits of every step; rank 1 follows."""
-    from plait.runtime.model_executor.model_runner import ModelRunner
     from plait.runtime.distributed.parallel import exit_rank
+    from plait.runtime.model_executor.model_runner import ModelRunner
     try:
         runner = ModelRunner(args, rank)
         if rank == 0:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_model import Harness
 
 from plait.runtime.kernels.cpu import cpu_kernels
 from plait.runtime.model_executor import weight_arena
-
-from test_model import Harness
 
 
 def _inside(arena: torch.Tensor, t: torch.Tensor) -> bool:

@@ -12,7 +12,6 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-
 pytestmark = pytest.mark.integration
 
 

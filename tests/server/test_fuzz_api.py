@@ -14,15 +14,15 @@ import torch
 from conftest import serve
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from plait.runtime.server.http_server import create_app
-from plait.runtime.mem_cache.memory_pool import ReqToTokenTable, TokenSlotAllocator
 
 import plait
+from plait.runtime.mem_cache.memory_pool import ReqToTokenTable, TokenSlotAllocator
+from plait.runtime.server.http_server import create_app
 
 schemathesis = pytest.importorskip("schemathesis")
-from schemathesis import GenerationMode
-from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (
+from schemathesis import GenerationMode  # noqa: E402  (after importorskip)
+from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.specs.openapi.checks import (  # noqa: E402
     content_type_conformance,
     negative_data_rejection,
     response_schema_conformance,

@@ -28,11 +28,11 @@ import httpx
 import msgspec
 import pytest
 from conftest import free_port, serve, wait_healthy
-from plait.runtime.server import http_common, http_server
-from plait.runtime.server.http_server import create_app
 from test_http_server import REPO, assert_error, sse_events, wait_no_kv
 
 import plait
+from plait.runtime.server import http_common, http_server
+from plait.runtime.server.http_server import create_app
 
 GREEDY = {"temperature": 0, "max_new_tokens": 4}
 LONG = {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}

@@ -17,10 +17,10 @@ import time
 import httpx
 import openai
 import pytest
+from conftest import free_port, serve
 
 import plait
 from plait.runtime.server.http_server import create_app
-from conftest import free_port, serve
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -9,12 +9,12 @@ import re
 import jsonschema
 import openai
 import pytest
+from conftest import serve
 
 import plait
 from plait.runtime.server.http_server import create_app
 from plait.runtime.server.openai_tools import ToolPlan, parse_tools, tool_call_schema
 from plait.runtime.server.tool_calls import ToolStream, parse_tool_calls
-from conftest import serve
 
 PERSON = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 12},

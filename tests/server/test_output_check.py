@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 
 from plait.runtime.engine import RequestState
-from plait.runtime.server.http_common import abort_error
 from plait.runtime.output_check import INVALID_OUTPUT, schema_violation
 from plait.runtime.request import TokenOutput
 from plait.runtime.sampling_params import SamplingParams
+from plait.runtime.server.http_common import abort_error
 
 # keywords xgrammar approximates (the auto backend's fallback where llguidance refuses a schema)
 SCHEMA = {"type": "object",

@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 from conftest import free_port, serve, wait_healthy
-from plait.runtime.server.http_server import create_app
-from plait.runtime.router.router import Router, create_router_app, label_metrics, routing_text
+
+import plait
 from plait.runtime.router.policy import (
     CacheAwarePolicy,
     PrefixTree,
@@ -23,8 +23,8 @@ from plait.runtime.router.policy import (
     ids_to_text,
     make_policy,
 )
-
-import plait
+from plait.runtime.router.router import Router, create_router_app, label_metrics, routing_text
+from plait.runtime.server.http_server import create_app
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GREEDY = {"temperature": 0, "max_new_tokens": 4}
