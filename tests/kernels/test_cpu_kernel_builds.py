@@ -80,7 +80,7 @@ def test_the_build_name_keys_on_march_features_and_sources(host, monkeypatch, tm
 def test_no_compiler_means_no_kernels_and_the_eager_ops(tmp_path):
     """CXX names no compiler: load() is False with the reason, nothing raises, the model's ops run
     eagerly (a norm through its fallback)."""
-    code = ("import torch; from plait.runtime import cpu_kernels as c\n"
+    code = ("import torch; from plait.runtime.kernels.cpu import cpu_kernels as c\n"
             "assert c.load() is False\n"
             "err = c.build_error()\n"
             "assert isinstance(err, c.Unavailable) and 'no C++ compiler' in str(err), err\n"
@@ -94,6 +94,6 @@ def test_no_compiler_means_no_kernels_and_the_eager_ops(tmp_path):
 
 def test_disabled_by_environment():
     """PLAIT_CPU_KERNELS=0: no build is loaded (once, not per kernel path)."""
-    code = "from plait.runtime import cpu_kernels as c; import sys; sys.exit(0 if c.load() is False else 1)"
+    code = "from plait.runtime.kernels.cpu import cpu_kernels as c; import sys; sys.exit(0 if c.load() is False else 1)"
     env = dict(os.environ, PLAIT_CPU_KERNELS="0")
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 0
