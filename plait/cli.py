@@ -9,16 +9,7 @@ import logging
 import os
 import sys
 
-from plait.runtime.server_args import (
-    DTYPE_CHOICES,
-    GRAMMAR_BACKENDS,
-    KV_CACHE_DTYPE_CHOICES,
-    PYTHON_ONLY,
-    QUANTIZATIONS,
-    SCHEDULE_POLICIES,
-    SPECULATIVE_ALGORITHMS,
-    ServerArgs,
-)
+from plait.runtime.server_args import PYTHON_ONLY, ServerArgs
 
 # Before torch is imported (see plait/__init__.py).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -28,8 +19,8 @@ DEFAULT_PORT = 30000
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2",
-                   help="'smollm2' (default, bundled), a .gguf file, a HF folder or a hub id")
+    """`plait serve`'s flags: the server's own, then one per ServerArgs field (help and choices from
+    its definition in runtime/server_args.py)."""
     p.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
     p.add_argument("--api-key", default=os.environ.get("PLAIT_API_KEY") or None,
@@ -42,94 +33,23 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a generate request may run; past it the request is aborted with a 504 error")
     p.add_argument("--log-requests", action="store_true",
                    help="log each request body (prompts included); off by default")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="the weights' and activations' dtype (auto: the model's, float32 for a GGUF on the CPU)")
-    p.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPE_CHOICES,
-                   help="the KV cache's dtype (default auto: the model's); bfloat16 under a float32 model halves "
-                        "the cache's memory and what each decode step reads of it, fp8_e4m3 / fp8_e5m2 (8-bit "
-                        "floats, no scales; fp8 = fp8_e4m3) halve a bfloat16 model's")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--context-length", type=int, default=None,
-                   help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
-    p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
-    p.add_argument("--kv-memory-fraction", type=float, default=None,
-                   help="KV pool size as a fraction of available memory, when --max-total-tokens is unset")
-    p.add_argument("--chunked-prefill-size", type=int, default=None,
-                   help="prefill tokens per step; longer prompts are prefilled in chunks")
-    p.add_argument("--max-running-requests", type=int, default=None,
-                   help="requests decoded together at most (the rest wait)")
-    p.add_argument("--schedule-policy", default=None, choices=SCHEDULE_POLICIES,
-                   help="lpm: longest cached prefix first (default); fcfs: arrival order")
-    p.add_argument("--disable-radix-cache", action="store_true",
-                   help="no prefix sharing between requests (the naive cache)")
-    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
-                   help="int8: per-channel int8 weights; int4: 4-bit weights in groups of 32 (GGUF Q4_1's "
-                        "scheme, exact for Q4_1 models; LM head int8); fp8: CUDA sm90+ only")
-    p.add_argument("--grammar-backend", default=None, choices=GRAMMAR_BACKENDS,
-                   help="constrained decoding backend (default auto: llguidance for JSON schemas, xgrammar "
-                        "for the rest, each falling back to the other)")
-    p.add_argument("--grammar-compile-timeout", type=float, default=None, help="seconds per grammar compile")
-    p.add_argument("--disable-jump-forward", action="store_true",
-                   help="sample grammar-forced text token by token instead of appending it")
-    p.add_argument("--speculative-algorithm", default=None, choices=SPECULATIVE_ALGORITHMS,
-                   help="ngram: prompt-lookup speculative decoding (drafts copied from prompt + output); "
-                        "draft: a smaller draft model with the same tokenizer proposes (--speculative-draft-model)")
-    p.add_argument("--speculative-draft-model", default=None,
-                   help="the draft model for --speculative-algorithm draft (any form --model accepts)")
-    p.add_argument("--speculative-draft-quantization", default=None,
-                   help="quantize the draft model's weights (the methods of --quantization)")
-    p.add_argument("--speculative-draft-max-tokens", type=int, default=None,
-                   help="the draft model's KV pool in tokens (default 4096)")
-    p.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="draft tokens per step")
-    p.add_argument("--speculative-ngram-min-match", type=int, default=None, help="shortest n-gram looked up")
-    p.add_argument("--speculative-ngram-max-match", type=int, default=None, help="longest n-gram looked up")
-    p.add_argument("--speculative-max-batch", type=int, default=None,
-                   help="speculate only while at most this many requests run (default 4)")
-    p.add_argument("--json-max-number-digits", type=int, default=None,
-                   help="JSON output: at most this many digits in a number's integer part (default 19; its "
-                        "fraction at most 17, its exponent 3); 0: no bound. Per request: json_max_number_digits")
-    p.add_argument("--json-max-string-length", type=int, default=None,
-                   help="JSON output: a string ends after this many characters unless the schema allows longer "
-                        "(default 512); 0: no bound. Per request: json_max_string_length")
-    p.add_argument("--json-resample", type=int, default=None,
-                   help="a JSON-schema document that breaks its schema (a keyword the grammar only approximates) "
-                        "is sampled again up to this many times before the request fails (default 2; "
-                        "non-streamed requests at temperature > 0)")
-    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument("--omp-spincount", type=int, default=None,
-                   help="OpenMP busy-wait of the model's threads after each parallel region, in spin-loop "
-                        "iterations (GOMP_SPINCOUNT; default 20000, well under a millisecond): saves a thread "
-                        "wake-up on every matmul of a step. 0: sleep at once, for cores shared with other "
-                        "compute-heavy processes. GOMP_SPINCOUNT in the environment wins")
-    p.add_argument("--enable-torch-compile", action="store_true",
-                   help="torch.compile the model step (attention stays eager); off by default")
-    p.add_argument("--disable-weight-prepack", action="store_true",
-                   help="CPU: plain F.linear on one copy of the weights, instead of oneDNN's prepacked copy "
-                        "plus the plain one for decode's GEMV (about twice the weights' memory)")
-    p.add_argument("--disable-cuda-graph", action="store_true",
-                   help="CUDA: decode eagerly instead of replaying captured CUDA graphs")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=None,
-                   help="largest decode batch replayed from a CUDA graph (default min(max running requests, 64))")
-    p.add_argument("--random-seed", type=int, default=None,
-                   help="seed of the sampler's generator (requests' own seeds win)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                   help="logging level of the server and its processes")
     p.add_argument("--dp-size", type=int, default=1,
                    help="data parallelism: N engine replicas (child servers on loopback) behind a cache-aware router")
-    p.add_argument("--tp-size", type=int, default=None, help="tensor parallelism: split the model over N ranks")
-    p.add_argument("--nnodes", type=int, default=None, help="nodes the --tp-size ranks span (default 1)")
-    p.add_argument("--node-rank", type=int, default=None,
-                   help="this node's index; node 0 serves HTTP, the others only run their ranks")
-    p.add_argument("--dist-init-addr", default=None,
-                   help="HOST:PORT where node 0's rank 0 hosts the torch.distributed store (required with --nnodes > 1)")
-    p.add_argument("--dist-timeout", type=float, default=None,
-                   help="seconds a tensor-parallel collective may wait on a silent rank before failing (default 300)")
-    p.add_argument("--revision", default=None, help="the hub revision (branch, tag or commit) of a hub --model")
+    for f in dataclasses.fields(ServerArgs):
+        if f.name in PYTHON_ONLY:
+            continue
+        flag, meta = "--" + f.name.replace("_", "-"), f.metadata
+        if f.type == "bool":
+            p.add_argument(flag, action="store_true", help=meta["help"])
+        else:   # None: the engine's default (ServerArgs fills it in)
+            p.add_argument(flag, type=_FIELD_TYPES[f.type.removesuffix(" | None")], default=None,
+                           choices=meta["choices"], help=meta["help"])
+    p.set_defaults(log_level="info")   # a server logs more than an in-process Engine
 
 
+_FIELD_TYPES = {"str": str, "int": int, "float": float}   # ServerArgs' annotations (strings: PEP 563)
 # The ServerArgs fields `plait serve` takes, each as --field-name; None means "the engine's default".
 _ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(ServerArgs) if f.name not in PYTHON_ONLY)
-
 
 def serve_flags_markdown() -> str:
     """docs/server_args.md: every `plait serve` flag with its default and meaning, from the parser

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")   # dtype's (auto: the model's)
 # kv_cache_dtype's: the model's dtypes and, as SGLang names them, 8-bit floats (no scales: SmolLM2's
@@ -14,6 +14,7 @@ SCHEDULE_POLICIES = ("lpm", "fcfs")
 GRAMMAR_BACKENDS = ("auto", "xgrammar", "llguidance", "outlines")
 QUANTIZATIONS = ("int8", "int4", "fp8")
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 PYTHON_ONLY = ("cuda_graph_eager",)   # fields with no `plait serve` flag (tests and debugging)
 
 
@@ -26,49 +27,91 @@ def kv_cache_torch_dtype(name: str, model_dtype):
     return getattr(torch, FP8_KV_DTYPES.get(name, name))
 
 
+def option(default, help: str, choices: tuple | None = None):
+    """A ServerArgs field with the help and choices of its `plait serve` flag (plait/cli.py builds
+    the flags from these, so an option is defined once)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass
 class ServerArgs:
-    model: str = "smollm2"
-    dtype: str = "auto"                      # auto | float32 | bfloat16
-    kv_cache_dtype: str = "auto"             # auto (the model's dtype) | float32 | bfloat16 | float16 | fp8_e4m3 | fp8_e5m2: the KV cache's
-    device: str = "cpu"                      # cpu | cuda | cuda:N
-    context_length: int | None = None        # default: the model's max_position_embeddings
-    max_total_tokens: int | None = None      # KV pool size in tokens; default from kv_memory_fraction
-    kv_memory_fraction: float = 0.15         # of available RAM (CPU) or free GPU memory, when max_total_tokens is unset
-    max_running_requests: int = 128
-    chunked_prefill_size: int = 1024         # token budget for prefill per step
-    schedule_policy: str = "lpm"             # lpm (longest prefix match first) | fcfs
-    disable_radix_cache: bool = False
-    disable_weight_prepack: bool = False     # CPU: keep plain F.linear instead of oneDNN-prepacked weights
-    enable_torch_compile: bool = False       # torch.compile the model step (the attention backend stays eager)
-    disable_cuda_graph: bool = False         # CUDA: decode eagerly instead of replaying captured CUDA graphs
-    cuda_graph_max_bs: int | None = None     # largest decode batch replayed from a graph; default min(max_running_requests, 64)
-    cuda_graph_eager: bool = False           # tests / debugging: the graph runner's padded static decode without capture (also on the CPU)
-    quantization: str | None = None          # None | int8 (per-channel int8 weights) | int4 (group-32 Q4_1-style) | fp8 (CUDA sm90+; else int8)
-    num_threads: int | None = None           # torch intra-op threads; default: all cores
-    omp_spincount: int = 20000               # OpenMP busy-wait after a parallel region in the model's processes (GOMP_SPINCOUNT); 0: sleep at once
-    random_seed: int | None = None
-    revision: str | None = None
-    grammar_backend: str = "auto"            # auto (llguidance for JSON schemas, else xgrammar; fallback) | xgrammar | llguidance | outlines
-    grammar_compile_timeout: float = 30.0    # seconds; a slower compile fails that request
-    disable_jump_forward: bool = False       # jump-forward: append grammar-forced text without sampling
-    json_max_number_digits: int = 19         # JSON output: digits of a number's integer part (fraction <= 17); 0: no bound
-    json_max_string_length: int = 512        # JSON output: characters of a string the schema does not bound longer; 0: no bound
-    json_resample: int = 2                   # JSON output that breaks its schema (an approximated keyword): sample again up to N times (not streamed, temperature > 0)
-    speculative_algorithm: str | None = None # None | ngram (prompt lookup: drafts copied from prompt + output) | draft (a draft model)
-    speculative_draft_model: str | None = None  # draft: the draft model (any form `model` accepts); same tokenizer
-    speculative_draft_quantization: str | None = None  # draft: quantize the draft model's weights (as `quantization`)
-    speculative_draft_max_tokens: int = 4096   # draft: the draft model's KV pool, in tokens
-    speculative_num_draft_tokens: int = 8    # draft tokens proposed per step and request
-    speculative_ngram_min_match: int = 1     # shortest suffix n-gram looked up
-    speculative_ngram_max_match: int = 4     # longest suffix n-gram looked up (tried first)
-    speculative_max_batch: int = 4           # speculate only while at most this many requests run
-    tp_size: int = 1                         # tensor-parallel ranks (one scheduler process each)
-    nnodes: int = 1                          # nodes the tp ranks are spread over (tp_size / nnodes per node)
-    node_rank: int = 0                       # this node's index; node 0 runs rank 0, which serves requests
-    dist_init_addr: str | None = None        # HOST:PORT of rank 0's rendezvous store; default: a free loopback port
-    dist_timeout: float = 300.0              # seconds a collective may wait on a silent rank before failing
-    log_level: str = "warning"
+    """Every engine option: `plait.Engine(**kwargs)` takes them as keyword arguments and
+    `plait serve` as flags (`max_total_tokens` is `--max-total-tokens`)."""
+    model: str = option("smollm2", "'smollm2' (default, bundled), a .gguf file, a HF folder or a hub id")
+    dtype: str = option("auto", "the weights' and activations' dtype (auto: the model's, float32 for a GGUF "
+                        "on the CPU)", DTYPE_CHOICES)
+    kv_cache_dtype: str = option(
+        "auto", "the KV cache's dtype (auto: the model's); bfloat16 under a float32 model halves the cache's "
+        "memory and what each decode step reads of it, fp8_e4m3 / fp8_e5m2 (8-bit floats, no scales; "
+        "fp8 = fp8_e4m3) halve a bfloat16 model's", KV_CACHE_DTYPE_CHOICES)
+    device: str = option("cpu", "cpu | cuda | cuda:N")
+    context_length: int | None = option(
+        None, "longest prompt + output in tokens (default: the model's max_position_embeddings)")
+    max_total_tokens: int | None = option(None, "KV pool size in tokens (default: from --kv-memory-fraction)")
+    kv_memory_fraction: float = option(
+        0.15, "KV pool size as a fraction of available RAM (CPU) or free GPU memory, when --max-total-tokens "
+        "is unset")
+    max_running_requests: int = option(128, "requests decoded together at most (the rest wait)")
+    chunked_prefill_size: int = option(1024, "prefill tokens per step; longer prompts are prefilled in chunks")
+    schedule_policy: str = option("lpm", "lpm: longest cached prefix first; fcfs: arrival order",
+                                  SCHEDULE_POLICIES)
+    disable_radix_cache: bool = option(False, "no prefix sharing between requests (the naive cache)")
+    disable_weight_prepack: bool = option(
+        False, "CPU: plain F.linear on one copy of the weights, instead of oneDNN's prepacked copy plus the "
+        "plain one for decode's GEMV (about twice the weights' memory)")
+    enable_torch_compile: bool = option(False, "torch.compile the model step (attention stays eager)")
+    disable_cuda_graph: bool = option(False, "CUDA: decode eagerly instead of replaying captured CUDA graphs")
+    cuda_graph_max_bs: int | None = option(
+        None, "largest decode batch replayed from a CUDA graph (default min(max running requests, 64))")
+    # tests / debugging: the graph runner's padded static decode without capture (also on the CPU)
+    cuda_graph_eager: bool = False
+    quantization: str | None = option(
+        None, "int8: per-channel int8 weights; int4: 4-bit weights in groups of 32 (GGUF Q4_1's scheme, exact "
+        "for Q4_1 models; LM head int8); fp8: CUDA sm90+ only (else int8)", QUANTIZATIONS)
+    num_threads: int | None = option(None, "torch intra-op threads (default: all cores)")
+    omp_spincount: int = option(
+        20000, "OpenMP busy-wait of the model's threads after each parallel region, in spin-loop iterations "
+        "(GOMP_SPINCOUNT; well under a millisecond): saves a thread wake-up on every matmul of a step. 0: "
+        "sleep at once, for cores shared with other compute-heavy processes. GOMP_SPINCOUNT in the "
+        "environment wins")
+    random_seed: int | None = option(None, "seed of the sampler's generator (requests' own seeds win)")
+    revision: str | None = option(None, "the hub revision (branch, tag or commit) of a hub --model")
+    grammar_backend: str = option(
+        "auto", "constrained decoding backend (auto: llguidance for JSON schemas, xgrammar for the rest, each "
+        "falling back to the other)", GRAMMAR_BACKENDS)
+    grammar_compile_timeout: float = option(30.0, "seconds per grammar compile; a slower one fails its request")
+    disable_jump_forward: bool = option(
+        False, "sample grammar-forced text token by token instead of appending it")
+    json_max_number_digits: int = option(
+        19, "JSON output: at most this many digits in a number's integer part (its fraction at most 17, its "
+        "exponent 3); 0: no bound. Per request: json_max_number_digits")
+    json_max_string_length: int = option(
+        512, "JSON output: a string ends after this many characters unless the schema allows longer; 0: no "
+        "bound. Per request: json_max_string_length")
+    json_resample: int = option(
+        2, "a JSON-schema document that breaks its schema (a keyword the grammar only approximates) is sampled "
+        "again up to this many times before the request fails (non-streamed requests at temperature > 0)")
+    speculative_algorithm: str | None = option(
+        None, "ngram: prompt-lookup speculative decoding (drafts copied from prompt + output); draft: a smaller "
+        "draft model with the same tokenizer proposes (--speculative-draft-model)", SPECULATIVE_ALGORITHMS)
+    speculative_draft_model: str | None = option(
+        None, "the draft model for --speculative-algorithm draft (any form --model accepts)")
+    speculative_draft_quantization: str | None = option(
+        None, "quantize the draft model's weights (the methods of --quantization)")
+    speculative_draft_max_tokens: int = option(4096, "the draft model's KV pool in tokens")
+    speculative_num_draft_tokens: int = option(8, "draft tokens proposed per step and request")
+    speculative_ngram_min_match: int = option(1, "shortest suffix n-gram looked up")
+    speculative_ngram_max_match: int = option(4, "longest suffix n-gram looked up (tried first)")
+    speculative_max_batch: int = option(4, "speculate only while at most this many requests run")
+    tp_size: int = option(1, "tensor parallelism: split the model over N ranks (one scheduler process each)")
+    nnodes: int = option(1, "nodes the --tp-size ranks span (tp_size / nnodes per node)")
+    node_rank: int = option(0, "this node's index; node 0 serves HTTP, the others only run their ranks")
+    dist_init_addr: str | None = option(
+        None, "HOST:PORT where node 0's rank 0 hosts the torch.distributed store (required with --nnodes > 1; "
+        "default: a free loopback port)")
+    dist_timeout: float = option(300.0, "seconds a tensor-parallel collective may wait on a silent rank before "
+                                 "failing")
+    log_level: str = option("warning", "logging level of the server and its processes", LOG_LEVELS)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
