@@ -27,7 +27,7 @@ import msgspec
 
 from .managers.detokenizer import stop_holdback, trim_stop
 from .managers.scheduler_client import SchedulerClient
-from .model_executor.model_loader import load_config, load_tokenizer, resolve_model
+from .model_executor.model_loader import load_config, load_tokenizer, read_chat_template, resolve_model
 from .output_check import schema_violation
 from .request import GenerateInput, TokenOutput
 from .sampling_params import SamplingParams
@@ -164,12 +164,15 @@ class Engine:
             draft_config = load_config(resolve_model(self.args.speculative_draft_model))
             get_model_class(draft_config)
             check_vocab_size(self.args.speculative_draft_model, draft_config.vocab_size, config.vocab_size)
+        chat_template = read_chat_template(self.args.chat_template) if self.args.chat_template else None
         _no_torch_threads_here()
         self._client = SchedulerClient(self.args, self.model_path)
         # Stops the process when the engine is collected or at exit; refers to the client only.
         self._finalizer = weakref.finalize(self, self._client.close)
         try:
             self.tokenizer = load_tokenizer(self.model_path)   # while the child loads the model
+            if chat_template is not None:
+                self.tokenizer.chat_template = chat_template
             self._info: dict[str, Any] = self._client.wait_ready()
         except BaseException:
             self._finalizer()

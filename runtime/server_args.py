@@ -45,6 +45,8 @@ class ServerArgs:
         "memory and what each decode step reads of it, fp8_e4m3 / fp8_e5m2 (8-bit floats, no scales; "
         "fp8 = fp8_e4m3) halve a bfloat16 model's", KV_CACHE_DTYPE_CHOICES)
     device: str = option("cpu", "cpu | cuda | cuda:N")
+    chat_template: str | None = option(
+        None, "a chat template replacing the model's: the path of a Jinja file, or the template itself")
     context_length: int | None = option(
         None, "longest prompt + output in tokens (default: the model's max_position_embeddings)")
     max_total_tokens: int | None = option(None, "KV pool size in tokens (default: from --kv-memory-fraction)")

@@ -134,6 +134,26 @@ def load_tokenizer(folder: str) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 
 
+def read_chat_template(value: str) -> str:
+    """`--chat-template`'s value -> the template's text: a file's contents, or the value itself when
+    it is a template (holds `{{` or `{%`). Raises ValueError naming the problem (no such file, a
+    template that does not parse), so a bad value fails at start-up, not on the first request."""
+    import jinja2
+
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ValueError(f"chat_template: no such file {value!r} (give a Jinja file's path or the template itself)")
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat_template does not parse: {e.message} (line {e.lineno})") from None
+    return text
+
+
 def load_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every tensor of every ``*.safetensors`` file in ``folder``.
 

@@ -17,6 +17,7 @@ from .openai_tools import (
     ToolPlan,
     parse_tools,
     render_chat,
+    template_kwargs,
     template_source,
     tool_call_schema,
     tool_call_tags,
@@ -291,7 +292,7 @@ def parse_openai(state: ServerState, body: dict[str, Any], chat: bool) -> OpenAI
             source = template_source(state.engine.tokenizer)
             plan.tagged = "tools" not in source or TOOL_OPEN in source   # our Hermes block, or the template's
         prompts: list[str | list[int]] = [render_chat(state.engine.tokenizer, body.get("messages"),
-                                                      plan.tools if plan else None)]
+                                                      plan.tools if plan else None, template_kwargs(body))]
     else:
         if (body.get("tools") and body.get("tool_choice") != "none") or body.get("tool_choice") not in (None, "none"):
             raise ApiError(400, "tools are supported on /v1/chat/completions only")

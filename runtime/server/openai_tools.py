@@ -214,9 +214,30 @@ def _call_text(name: str, args: Any) -> str:
     return f"{TOOL_OPEN}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n{TOOL_CLOSE}"
 
 
-def render_chat(tokenizer: Any, messages: Any, tools: list[dict[str, Any]] | None = None) -> list[int]:
+# Variables a request may not set: render_chat passes these itself.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "add_generation_prompt", "tokenize",
+                                       "return_dict", "continue_final_message", "chat_template"})
+
+
+def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """The request's `chat_template_kwargs` (vLLM's and SGLang's field), checked."""
+    kw = body.get("chat_template_kwargs")
+    if kw is None:
+        return {}
+    if not isinstance(kw, dict) or not all(isinstance(k, str) for k in kw):
+        raise ApiError(400, "chat_template_kwargs must be an object of template variables")
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kw))
+    if reserved:
+        raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)}")
+    return kw
+
+
+def render_chat(tokenizer: Any, messages: Any, tools: list[dict[str, Any]] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Messages -> prompt token ids through the tokenizer's chat template, with the generation
     prompt appended. The template supplies the special tokens, so none are added again.
+    `template_kwargs` (a request's `chat_template_kwargs`, e.g. `enable_thinking`) are the
+    template's own variables.
 
     `tools`, assistant `tool_calls` and `tool` results go through the template when it knows them
     (its source mentions tools / tool_calls); otherwise tools become a Hermes-style system block,
@@ -267,7 +288,7 @@ def render_chat(tokenizer: Any, messages: Any, tools: list[dict[str, Any]] | Non
             conv.append({"role": "system" if role == "developer" else role, "content": content})
     for c in conv:
         c.pop("_results", None)
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = dict(template_kwargs or {})
     if tools:
         if native_tools:
             kwargs["tools"] = tools

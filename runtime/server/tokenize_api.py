@@ -23,7 +23,7 @@ def tokenize(state: ServerState, body: dict[str, Any]) -> dict[str, Any]:
     """{"prompt": str} (with `add_special_tokens`, default true) or {"messages": [...]} (through the
     chat template, generation prompt appended) -> {"count", "max_model_len", "tokens"} and, with
     `return_token_strs`, "token_strs"."""
-    from .openai_tools import render_chat
+    from .openai_tools import render_chat, template_kwargs
     tokenizer = state.engine.tokenizer
     if ("prompt" in body) == ("messages" in body):
         raise ApiError(400, "give exactly one of prompt (a string) or messages (a chat)")
@@ -32,7 +32,7 @@ def tokenize(state: ServerState, body: dict[str, Any]) -> dict[str, Any]:
             raise ApiError(400, "prompt must be a string")
         ids = tokenizer(body["prompt"], add_special_tokens=_bool(body, "add_special_tokens", True)).input_ids
     else:
-        ids = render_chat(tokenizer, body["messages"], body.get("tools"))
+        ids = render_chat(tokenizer, body["messages"], body.get("tools"), template_kwargs(body))
     out: dict[str, Any] = {"count": len(ids), "max_model_len": state.context_len, "tokens": ids}
     if _bool(body, "return_token_strs", False):
         out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
