@@ -14,6 +14,7 @@ SCHEDULE_POLICIES = ("lpm", "fcfs")
 GRAMMAR_BACKENDS = ("auto", "xgrammar", "llguidance", "outlines")
 QUANTIZATIONS = ("int8", "int4", "fp8")
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")
+REASONING_PARSERS = ("qwen3", "deepseek-r1")   # <think> ... </think> (runtime/server/reasoning.py)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 PYTHON_ONLY = ("cuda_graph_eager",)   # fields with no `plait serve` flag (tests and debugging)
 
@@ -45,6 +46,10 @@ class ServerArgs:
         "memory and what each decode step reads of it, fp8_e4m3 / fp8_e5m2 (8-bit floats, no scales; "
         "fp8 = fp8_e4m3) halve a bfloat16 model's", KV_CACHE_DTYPE_CHOICES)
     device: str = option("cpu", "cpu | cuda | cuda:N")
+    reasoning_parser: str | None = option(
+        None, "chat answers' <think> ... </think> section goes to reasoning_content (streamed as its own "
+        "deltas): qwen3 (a section when the output opens one), deepseek-r1 (the prompt opened it). Per request: "
+        "separate_reasoning false keeps it in the content", REASONING_PARSERS)
     chat_template: str | None = option(
         None, "a chat template replacing the model's: the path of a Jinja file, or the template itself")
     context_length: int | None = option(
@@ -129,6 +134,9 @@ class ServerArgs:
         if self.grammar_backend not in GRAMMAR_BACKENDS:
             raise ValueError(f"grammar_backend must be auto, xgrammar, outlines or llguidance, "
                              f"got {self.grammar_backend!r}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} (or unset), "
+                             f"got {self.reasoning_parser!r}")
         if self.speculative_algorithm not in (None, *SPECULATIVE_ALGORITHMS):
             raise ValueError(f"speculative_algorithm must be 'ngram' or 'draft' (or unset), "
                              f"got {self.speculative_algorithm!r}")

@@ -222,6 +222,7 @@ class ChatCompletionRequest(_OpenAICommon):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    separate_reasoning: bool | None = None   # with --reasoning-parser: false keeps <think> in the content
     chat_template_kwargs: dict[str, Any] | None = None   # the chat template's own variables (enable_thinking, ...)
 
 

@@ -59,6 +59,7 @@ class OpenAIRequest:
     include_usage: bool
     rid: str                                # also the response id
     tools: ToolPlan | None = None           # chat with tools the model may call (not "none")
+    reasoning: str | None = None            # the reasoning parser splitting a chat answer's <think> section
 
     @property
     def object(self) -> str:
@@ -307,7 +308,12 @@ def parse_openai(state: ServerState, body: dict[str, Any], chat: bool) -> OpenAI
     opts = typed_field(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
     include_usage = bool(stream and typed_field(opts, "include_usage", is_bool, "a bool", False))
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    return OpenAIRequest(chat, prompts, params, n, _logprobs(body, chat), stream, include_usage, rid, plan)
+    separate = body.get("separate_reasoning", True)
+    if not is_bool(separate):
+        raise ApiError(400, "separate_reasoning must be a boolean")
+    reasoning = state.engine.args.reasoning_parser if chat and separate else None
+    return OpenAIRequest(chat, prompts, params, n, _logprobs(body, chat), stream, include_usage, rid, plan,
+                         reasoning)
 
 
 def _default_max(state: ServerState, prompt: str | list[int], max_tokens: int | None, chat: bool) -> int:

@@ -7,6 +7,7 @@ from typing import Any
 
 from .http_common import abort_error, is_int
 from .openai_request import OpenAIRequest
+from .reasoning import split_reasoning
 from .server_state import ServerState
 from .tool_calls import forced_calls, parse_tool_calls, tool_call_objects
 
@@ -63,8 +64,16 @@ def completion_logprobs(entries: list[tuple[str, float, list]], offset: int, k: 
 
 
 def chat_message(req: OpenAIRequest, text: str, reason: str) -> tuple[dict[str, Any], str]:
-    """The assistant message of a finished chat choice and its finish reason (tool calls read
-    out of the text when the request has tools)."""
+    """The assistant message of a finished chat choice and its finish reason (the reasoning section
+    split off with a reasoning parser, tool calls read out of the rest when the request has tools)."""
+    if req.reasoning is not None:
+        reasoning, text = split_reasoning(req.reasoning, text)
+        message, reason = _answer(req, text, reason)
+        return ({**message, "reasoning_content": reasoning} if reasoning is not None else message), reason
+    return _answer(req, text, reason)
+
+
+def _answer(req: OpenAIRequest, text: str, reason: str) -> tuple[dict[str, Any], str]:
     plan = req.tools
     content: str | None = text
     calls: list[dict[str, str]] | None = None

@@ -23,6 +23,7 @@ from .openai_response import (
     usage,
     visible_tokens,
 )
+from .reasoning import ReasoningStream
 from .server_state import EventStream, Hold, ServerState
 from .tool_calls import ToolStream
 
@@ -42,6 +43,7 @@ class StreamShaper:
         self.cached_tokens: dict[int, int] = {}     # per prompt (see cached_prompt_tokens)
         self.completion_tokens = 0
         self.tool_streams: dict[int, ToolStream] = {}
+        self.reasoning_streams: dict[int, ReasoningStream] = {}
 
     def _chunk(self, index: int, delta: dict[str, Any] | str, logprobs: Any, reason: str | None) -> dict:
         choice: dict[str, Any] = {"index": index}
@@ -64,6 +66,12 @@ class StreamShaper:
         reason = finish_reason(result)
         prev_len, prev_tokens = self.text_len.get(index, 0), self.tokens.get(index, 0)
         text = result["text"]
+        if self.req.reasoning is not None:   # the reasoning goes out first; the rest sees the content only
+            rs = self.reasoning_streams.setdefault(index, ReasoningStream(self.req.reasoning))
+            thought, content = rs.update(text, final=reason is not None)
+            if thought:
+                chunks.append(self._chunk(index, {"reasoning_content": thought}, None, None))
+            text = content or ""
         delta = text[prev_len:]
         upto = visible_tokens(result) if reason else result["meta_info"]["completion_tokens"]
         logprobs = None
