@@ -16,7 +16,7 @@ features some row uses) and calls `Sampler()(logits, batch)`. Order of operation
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import torch
@@ -145,91 +145,112 @@ class SamplingBatch:
         eos = sorted(set(eos_ids))
         _check_ids(eos, V, "eos_ids")
 
-        # One pass over rows: plain Python lists; tensors are made once at the end.
-        blk_rows: list[int] = []
-        blk_cols: list[int] = []
-        s_rows: list[int] = []
-        temps: list[float] = []
-        keys: list[int] = []
-        tks: list[int] = []
-        tps: list[float] = []
-        mps: list[float] = []
-        p_rows: list[int] = []
+        rows = _RowLists.collect(params, seeds, steps, eos, V)
+        if rows.blk_rows:
+            batch.block_rows, batch.block_cols = _i64(rows.blk_rows, dev), _i64(rows.blk_cols, dev)
+        if rows.s_rows:
+            batch._set_sampling(rows)
+        if rows.p_rows:
+            batch._set_penalties(params, rows.p_rows, prompt_ids, output_ids)
+        return batch
+
+    def _set_sampling(self, rows: "_RowLists") -> None:
+        """Tensors of the rows that sample (not greedy): temperature, key, and the top-k / top-p /
+        min-p cuts only where some row uses them."""
+        dev, V, tks = self.device, self.vocab_size, rows.tks
+        self.sample_rows = _i64(rows.s_rows, dev)
+        self.temperatures = _f32(rows.temps, dev)
+        self.row_keys = _i64(rows.keys, dev).unsqueeze(1)
+        use_k = any(k < V for k in tks)
+        use_p = any(tp < 1.0 for tp in rows.tps)
+        use_m = any(mp > 0.0 for mp in rows.mps)
+        if use_k:
+            self.top_ks = _i64(tks, dev).unsqueeze(1)
+        if use_p:
+            self.top_ps = _f32(rows.tps, dev)
+        if use_m:
+            self.min_ps = _f32(rows.mps, dev)
+        if use_p or use_m or (use_k and max(tks) == V):
+            self.sort_width = V  # some row needs the whole sorted distribution
+        elif use_k:
+            self.sort_width = max(tks)  # every row has top_k: a partial topk suffices
+
+    def _set_penalties(self, params: list[SamplingParams], p_rows: list[int], prompt_ids: list[list[int]],
+                       output_ids: list[list[int]]) -> None:
+        """Repetition penalty as (index, factor) over prompt + output ids; frequency and presence
+        penalties folded into one [P, V] tensor subtracted from the logits."""
+        dev, V, P = self.device, self.vocab_size, len(p_rows)
+        self.penalty_rows = _i64(p_rows, dev)
+        # j indexes penalty rows; rows without a given penalty contribute no tokens to it.
+        rep = [(j, b) for j, b in enumerate(p_rows) if params[b].repetition_penalty != 1.0]
+        if rep:
+            lens = [len(prompt_ids[b]) + len(output_ids[b]) for _, b in rep]
+            flat = _flat_index([j for j, _ in rep], lens, chain.from_iterable(
+                chain(prompt_ids[b], output_ids[b]) for _, b in rep), V)
+            factor = torch.repeat_interleave(
+                torch.tensor([float(params[b].repetition_penalty) for _, b in rep]),
+                torch.tensor(lens, dtype=torch.int64))
+            # Duplicate indices are harmless: each reads the original logit and writes
+            # the same value back.
+            self.rep_index, self.rep_factor = flat.to(dev), factor.to(dev)
+        fp = [(j, b) for j, b in enumerate(p_rows)
+              if params[b].frequency_penalty != 0.0 or params[b].presence_penalty != 0.0]
+        if fp:
+            lens = [len(output_ids[b]) for _, b in fp]
+            flat = _flat_index([j for j, _ in fp], lens,
+                               chain.from_iterable(output_ids[b] for _, b in fp), V).to(dev)
+            counts = torch.zeros(P * V, dtype=torch.float32, device=dev)
+            counts.scatter_add_(0, flat, torch.ones(flat.numel(), dtype=torch.float32, device=dev))
+            counts = counts.view(P, V)
+            present = (counts > 0).to(torch.float32)
+            freq = _f32([float(params[b].frequency_penalty) for b in p_rows], dev)
+            pres = _f32([float(params[b].presence_penalty) for b in p_rows], dev)
+            # Folded into one tensor here so the sampler does a single subtraction.
+            self.out_penalty = counts.mul_(freq).add_(present.mul_(pres))
+
+
+def _f32(xs: list[float], dev: torch.device) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.float32, device=dev).unsqueeze(1)
+
+
+def _i64(xs: list[int], dev: torch.device) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.int64, device=dev)
+
+
+@dataclass
+class _RowLists:
+    """One pass over a batch's rows into plain Python lists; tensors are made once from them."""
+    blk_rows: list[int] = field(default_factory=list)   # (row, id) pairs blocked (EOS before min_new_tokens)
+    blk_cols: list[int] = field(default_factory=list)
+    s_rows: list[int] = field(default_factory=list)     # rows that sample, and their parameters
+    temps: list[float] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
+    tks: list[int] = field(default_factory=list)
+    tps: list[float] = field(default_factory=list)
+    mps: list[float] = field(default_factory=list)
+    p_rows: list[int] = field(default_factory=list)     # rows with a penalty
+
+    @classmethod
+    def collect(cls, params: list[SamplingParams], seeds: list[int], steps: list[int], eos: list[int],
+                V: int) -> "_RowLists":
+        out = cls()
         for b, p in enumerate(params):
             step = int(steps[b])
             if step < p.min_new_tokens:
                 ids = sorted(set(eos).union(p.stop_token_ids))
                 _check_ids(ids, V, "stop_token_ids")
-                blk_rows.extend([b] * len(ids))
-                blk_cols.extend(ids)
-            if (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
-                    or p.presence_penalty != 0.0):
-                p_rows.append(b)
+                out.blk_rows.extend([b] * len(ids))
+                out.blk_cols.extend(ids)
+            if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+                out.p_rows.append(b)
             if not p.greedy:
-                s_rows.append(b)
-                temps.append(max(float(p.temperature), _MIN_TEMPERATURE))
-                keys.append(row_key(int(seeds[b]), step))
-                tks.append(p.top_k if 0 < p.top_k < V else V)
-                tps.append(float(p.top_p) if p.top_p < 1.0 else 2.0)  # 2.0: never cuts
-                mps.append(float(p.min_p))
-
-        def f32(xs: list[float]) -> torch.Tensor:
-            return torch.tensor(xs, dtype=torch.float32, device=dev).unsqueeze(1)
-
-        def i64(xs: list[int]) -> torch.Tensor:
-            return torch.tensor(xs, dtype=torch.int64, device=dev)
-
-        if blk_rows:
-            batch.block_rows, batch.block_cols = i64(blk_rows), i64(blk_cols)
-
-        if s_rows:
-            batch.sample_rows = i64(s_rows)
-            batch.temperatures = f32(temps)
-            batch.row_keys = i64(keys).unsqueeze(1)
-            use_k = any(k < V for k in tks)
-            use_p = any(tp < 1.0 for tp in tps)
-            use_m = any(mp > 0.0 for mp in mps)
-            if use_k:
-                batch.top_ks = i64(tks).unsqueeze(1)
-            if use_p:
-                batch.top_ps = f32(tps)
-            if use_m:
-                batch.min_ps = f32(mps)
-            if use_p or use_m or (use_k and max(tks) == V):
-                batch.sort_width = V  # some row needs the whole sorted distribution
-            elif use_k:
-                batch.sort_width = max(tks)  # every row has top_k: a partial topk suffices
-
-        if p_rows:
-            P = len(p_rows)
-            batch.penalty_rows = i64(p_rows)
-            # j indexes penalty rows; rows without a given penalty contribute no tokens to it.
-            rep = [(j, b) for j, b in enumerate(p_rows) if params[b].repetition_penalty != 1.0]
-            if rep:
-                lens = [len(prompt_ids[b]) + len(output_ids[b]) for _, b in rep]
-                flat = _flat_index([j for j, _ in rep], lens, chain.from_iterable(
-                    chain(prompt_ids[b], output_ids[b]) for _, b in rep), V)
-                factor = torch.repeat_interleave(
-                    torch.tensor([float(params[b].repetition_penalty) for _, b in rep]),
-                    torch.tensor(lens, dtype=torch.int64))
-                # Duplicate indices are harmless: each reads the original logit and writes
-                # the same value back.
-                batch.rep_index, batch.rep_factor = flat.to(dev), factor.to(dev)
-            fp = [(j, b) for j, b in enumerate(p_rows)
-                  if params[b].frequency_penalty != 0.0 or params[b].presence_penalty != 0.0]
-            if fp:
-                lens = [len(output_ids[b]) for _, b in fp]
-                flat = _flat_index([j for j, _ in fp], lens,
-                                   chain.from_iterable(output_ids[b] for _, b in fp), V).to(dev)
-                counts = torch.zeros(P * V, dtype=torch.float32, device=dev)
-                counts.scatter_add_(0, flat, torch.ones(flat.numel(), dtype=torch.float32, device=dev))
-                counts = counts.view(P, V)
-                present = (counts > 0).to(torch.float32)
-                freq = f32([float(params[b].frequency_penalty) for b in p_rows])
-                pres = f32([float(params[b].presence_penalty) for b in p_rows])
-                # Folded into one tensor here so the sampler does a single subtraction.
-                batch.out_penalty = counts.mul_(freq).add_(present.mul_(pres))
-        return batch
+                out.s_rows.append(b)
+                out.temps.append(max(float(p.temperature), _MIN_TEMPERATURE))
+                out.keys.append(row_key(int(seeds[b]), step))
+                out.tks.append(p.top_k if 0 < p.top_k < V else V)
+                out.tps.append(float(p.top_p) if p.top_p < 1.0 else 2.0)  # 2.0: never cuts
+                out.mps.append(float(p.min_p))
+        return out
 
 
 def _check_ids(ids: list[int], V: int, what: str) -> None:
