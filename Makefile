@@ -33,10 +33,10 @@ run: setup
 example: setup
 	$(PY) examples/quickstart_engine.py
 
-# ruff's lint rules (pyproject.toml [tool.ruff]). `ruff format` is not applied yet: it would rewrite
-# most files' wrapping at once; that belongs in its own commit.
+# ruff's lint rules and its formatting (pyproject.toml [tool.ruff]); `ruff format .` fixes the latter.
 lint: setup
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 # The whole suite, slowest tests listed. PLAIT_CPU_MARCH=x86-64-v3 (or x86-64, ...) runs it on that
 # kernel path; PLAIT_CPU_KERNELS=0 on the eager ops alone.

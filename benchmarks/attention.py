@@ -12,6 +12,7 @@ All three run the same batches on the same pool, interleaved step by step (share
 
     plait bench attention [--batch 1 8 32] [--context 128 512 1024] [--steps 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,7 @@ class OldGatherAttention(AttentionBackend):
     def forward(self, q, k, v, layer_id, batch, scale):
         kv_dtype = self.pool.k[layer_id].dtype
         self.pool.write(layer_id, batch.out_cache_loc, k.to(kv_dtype), v.to(kv_dtype))
-        outs = [self._attend(q[g.start:g.end], layer_id, g, scale) for g in batch.groups]
+        outs = [self._attend(q[g.start : g.end], layer_id, g, scale) for g in batch.groups]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _attend(self, q, layer_id, g, scale):
@@ -52,8 +53,9 @@ class OldGatherAttention(AttentionBackend):
         keys = keys.view(g.bsz, g.max_kv, kv_heads, head_dim).transpose(1, 2)
         values = values.view(g.bsz, g.max_kv, kv_heads, head_dim).transpose(1, 2)
         qp = q.reshape(g.bsz, g.max_q, num_heads, head_dim).to(keys.dtype)
-        out = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, values, attn_mask=g.attn_mask, scale=scale,
-                                             enable_gqa=num_heads != kv_heads)
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), keys, values, attn_mask=g.attn_mask, scale=scale, enable_gqa=num_heads != kv_heads
+        )
         return out.transpose(1, 2).reshape(g.bsz * g.max_q, num_heads * head_dim).to(q.dtype)
 
 
@@ -82,8 +84,15 @@ class DecodeWorkload:
         locs = torch.tensor([self.free.pop() for _ in range(self.bsz)])
         for b in range(self.bsz):
             self.table[b, self.lens[b]] = locs[b]
-        batch = ForwardBatch.build([0] * self.bsz, list(range(self.bsz)), list(self.lens), [1] * self.bsz,
-                                   locs, self.table, list(range(self.bsz)))
+        batch = ForwardBatch.build(
+            [0] * self.bsz,
+            list(range(self.bsz)),
+            list(self.lens),
+            [1] * self.bsz,
+            locs,
+            self.table,
+            list(range(self.bsz)),
+        )
         self.lens = [n + 1 for n in self.lens]
         return batch
 
@@ -92,7 +101,7 @@ def run_step(backend: AttentionBackend, w: DecodeWorkload, batch: ForwardBatch) 
     """(wall, CPU) seconds of one step through every layer."""
     t, c = time.perf_counter(), time.process_time()
     for layer in range(LAYERS):
-        backend.forward(w.q, w.k, w.v, layer, batch, HEAD_DIM ** -0.5)
+        backend.forward(w.q, w.k, w.v, layer, batch, HEAD_DIM**-0.5)
     return time.perf_counter() - t, time.process_time() - c
 
 
@@ -118,38 +127,49 @@ def measure(bsz: int, context: int, dtype: torch.dtype, steps: int) -> dict[str,
         wall, cpu = sorted(t[0] for t in ts), sorted(t[1] for t in ts)
         out[kind] = {"wall_ms": 1000 * wall[len(ts) // 2], "cpu_ms": 1000 * cpu[len(ts) // 2]}
     out["mirror"]["first_ms"] = 1000 * first
-    backends["mirror"].mirror.mirror_row.clear()      # forget every row: all are copied again
+    backends["mirror"].mirror.mirror_row.clear()  # forget every row: all are copied again
     out["mirror"]["refill_ms"] = 1000 * run_step(backends["mirror"], w, w.next_batch())[0]
     return out
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="plait bench attention", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="plait bench attention", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--context", type=int, nargs="+", default=[128, 512, 1024])
     ap.add_argument("--steps", type=int, default=5, help="steady steps measured (median)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="KV dtype (a bf16 model keeps float32 KV on the CPU)")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="KV dtype (a bf16 model keeps float32 KV on the CPU)",
+    )
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    print(f"decode attention, {LAYERS} layers, {HEADS} heads / {KV_HEADS} KV heads x {HEAD_DIM}, KV {args.dtype}, "
-          f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}")
+    print(
+        f"decode attention, {LAYERS} layers, {HEADS} heads / {KV_HEADS} KV heads x {HEAD_DIM}, KV {args.dtype}, "
+        f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}"
+    )
     print("ms per step, median (wall / CPU time); mirror first step and full refill (wall)")
-    print(f"{'batch':>5} {'context':>7} | {'old':>13} {'gather':>13} {'mirror':>13} {'first':>7} {'refill':>7} | "
-          f"{'old/mirror (wall, CPU)':>22}")
+    print(
+        f"{'batch':>5} {'context':>7} | {'old':>13} {'gather':>13} {'mirror':>13} {'first':>7} {'refill':>7} | "
+        f"{'old/mirror (wall, CPU)':>22}"
+    )
     results = {}
     for bsz in args.batch:
         for ctx in args.context:
             r = measure(bsz, ctx, dtype, args.steps)
             results[f"{bsz}x{ctx}"] = r
             cells = " ".join(f"{r[k]['wall_ms']:>6.1f}/{r[k]['cpu_ms']:<6.1f}" for k in KINDS)
-            print(f"{bsz:>5} {ctx:>7} | {cells} {r['mirror']['first_ms']:>7.1f} {r['mirror']['refill_ms']:>7.1f} | "
-                  f"{r['old']['wall_ms'] / r['mirror']['wall_ms']:>10.1f}x {r['old']['cpu_ms'] / r['mirror']['cpu_ms']:>10.1f}x",
-                  flush=True)
+            print(
+                f"{bsz:>5} {ctx:>7} | {cells} {r['mirror']['first_ms']:>7.1f} {r['mirror']['refill_ms']:>7.1f} | "
+                f"{r['old']['wall_ms'] / r['mirror']['wall_ms']:>10.1f}x {r['old']['cpu_ms'] / r['mirror']['cpu_ms']:>10.1f}x",
+                flush=True,
+            )
     return results
 
 

@@ -25,6 +25,7 @@ needs matplotlib: pip install 'plait[bench]').
 
     plait bench compare --output-len 64 --json compare.json --plot compare.png
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,6 +48,7 @@ set_openmp_defaults()
 def gguf_for(model: str) -> str | None:
     """The GGUF file behind `model` (the bundled default's, or a .gguf path); None for HF folders."""
     from plait.runtime.model_executor import model_loader
+
     if model.lower() in model_loader._DEFAULT_ALIASES:
         return model_loader._bundled_smollm2_gguf()
     return model if model.lower().endswith(".gguf") and os.path.isfile(model) else None
@@ -56,15 +58,43 @@ def llama_cpp_command(gguf: str, port: int, threads: int, slots: int, ctx_per_sl
     """The command that serves `gguf` with llama.cpp, or None when llama.cpp is not installed."""
     binary = shutil.which("llama-server")
     if binary:
-        return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-                "-np", str(slots), "-c", str(slots * ctx_per_slot), "-cb", "--log-disable"]
+        return [
+            binary,
+            "-m",
+            gguf,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-t",
+            str(threads),
+            "-np",
+            str(slots),
+            "-c",
+            str(slots * ctx_per_slot),
+            "-cb",
+            "--log-disable",
+        ]
     try:
         import llama_cpp.server  # noqa: F401
     except ImportError:
         return None
     # llama-cpp-python's server runs one sequence at a time.
-    return [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", str(port),
-            "--n_threads", str(threads), "--n_ctx", str(ctx_per_slot)]
+    return [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        gguf,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_threads",
+        str(threads),
+        "--n_ctx",
+        str(ctx_per_slot),
+    ]
 
 
 class LlamaCppServer:
@@ -72,6 +102,7 @@ class LlamaCppServer:
 
     def __init__(self, command: list[str], port: int, timeout: float = 300.0):
         import httpx
+
         self.url = f"http://127.0.0.1:{port}"
         env = {k: v for k, v in os.environ.items() if k not in OPENMP_SETTINGS}
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
@@ -93,8 +124,14 @@ class LlamaCppServer:
     def complete(self, prompt: str, max_tokens: int, **extra) -> tuple[int, str]:
         """One completion (greedy, exactly `max_tokens` unless `extra` says otherwise); (tokens
         generated, text). `extra`: stop, json_schema, ignore_eos, cache_prompt ..."""
-        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                "cache_prompt": False, **extra}
+        body = {
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "cache_prompt": False,
+            **extra,
+        }
         r = self.client.post(f"{self.url}/v1/completions", json=body)
         r.raise_for_status()
         out = r.json()
@@ -120,11 +157,11 @@ class LlamaCppServer:
 def plait_run(engine, prompts: list[str], output_len: int, concurrency: int) -> float:
     """Output tok/s of plait with waves of `concurrency` requests."""
     params = {"temperature": 0, "max_new_tokens": output_len, "ignore_eos": True}
-    engine.flush_cache()   # every engine starts cold: no prefix reuse from an earlier level
+    engine.flush_cache()  # every engine starts cold: no prefix reuse from an earlier level
     t = time.perf_counter()
     tokens = 0
     for i in range(0, len(prompts), concurrency):
-        tokens += sum(len(o["output_ids"]) for o in engine.generate(prompts[i:i + concurrency], params))
+        tokens += sum(len(o["output_ids"]) for o in engine.generate(prompts[i : i + concurrency], params))
     return tokens / (time.perf_counter() - t)
 
 
@@ -139,12 +176,13 @@ def in_flight(fn, items: list, concurrency: int) -> tuple[float, list]:
 def run_chat(args, engine, hf, tok, llama, prompts: list[str]) -> dict:
     """The chat workload at every concurrency; {engine: {C: tok/s}}."""
     from plait.benchmarks.offline import hf_generate
+
     levels = sorted(args.concurrency)
     results: dict = {"plait": {}, "hf_static": {}, "hf_sequential": {}}
     if llama is not None:
         results["llama.cpp"] = {}
     for c in levels:
-        batch = prompts[:c * args.waves]
+        batch = prompts[: c * args.waves]
         results["plait"][c] = plait_run(engine, batch, args.output_len, c)
         results["hf_static"][c] = hf_generate(hf, tok, batch, args.output_len, c)
         if llama is not None:
@@ -153,8 +191,7 @@ def run_chat(args, engine, hf, tok, llama, prompts: list[str]) -> dict:
         if c == levels[0]:
             k = min(args.hf_sequential, len(prompts))
             results["hf_sequential"][c] = hf_generate(hf, tok, prompts[:k], args.output_len, 1)
-        print(f"  chat C={c}: " + "  ".join(f"{name} {r[c]:.1f}" for name, r in results.items() if c in r),
-              flush=True)
+        print(f"  chat C={c}: " + "  ".join(f"{name} {r[c]:.1f}" for name, r in results.items() if c in r), flush=True)
     seq = next(iter(results.pop("hf_sequential").values()))
     results["hf_sequential"] = {c: seq for c in levels}
     return results
@@ -162,6 +199,7 @@ def run_chat(args, engine, hf, tok, llama, prompts: list[str]) -> dict:
 
 def _valid_json(text: str, schema: dict) -> bool:
     import jsonschema
+
     try:
         jsonschema.validate(json.loads(text), schema)
         return True
@@ -172,6 +210,7 @@ def _valid_json(text: str, schema: dict) -> bool:
 def run_json(args, engine, llama, tokenizer) -> dict:
     """JSON-schema extraction at every concurrency; {engine: {C: {tok_s, valid, requests}}}."""
     from plait.benchmarks.jump_forward import SCHEMA, prompts
+
     docs = prompts(tokenizer)
     params = {"json_schema": json.dumps(SCHEMA), "temperature": 0, "max_new_tokens": args.json_max_tokens}
     results: dict = {"plait": {}}
@@ -181,15 +220,28 @@ def run_json(args, engine, llama, tokenizer) -> dict:
         batch = [docs[i % len(docs)] for i in range(max(c, len(docs)) * args.waves)]
         engine.flush_cache()
         dt, outs = in_flight(lambda text: engine.generate(text, params), batch, c)
-        results["plait"][c] = {"tok_s": sum(o["meta_info"]["completion_tokens"] for o in outs) / dt,
-                               "valid": sum(_valid_json(o["text"], SCHEMA) for o in outs), "requests": len(outs)}
+        results["plait"][c] = {
+            "tok_s": sum(o["meta_info"]["completion_tokens"] for o in outs) / dt,
+            "valid": sum(_valid_json(o["text"], SCHEMA) for o in outs),
+            "requests": len(outs),
+        }
         if llama is not None:
-            dt, outs = in_flight(lambda text: llama.complete(text, args.json_max_tokens, json_schema=SCHEMA,
-                                                             ignore_eos=False), batch, c)
-            results["llama.cpp"][c] = {"tok_s": sum(n for n, _ in outs) / dt,
-                                       "valid": sum(_valid_json(t, SCHEMA) for _, t in outs), "requests": len(outs)}
-        print(f"  json C={c}: " + "  ".join(f"{name} {r[c]['tok_s']:.1f} tok/s ({r[c]['valid']}/{r[c]['requests']} "
-                                            f"valid)" for name, r in results.items()), flush=True)
+            dt, outs = in_flight(
+                lambda text: llama.complete(text, args.json_max_tokens, json_schema=SCHEMA, ignore_eos=False), batch, c
+            )
+            results["llama.cpp"][c] = {
+                "tok_s": sum(n for n, _ in outs) / dt,
+                "valid": sum(_valid_json(t, SCHEMA) for _, t in outs),
+                "requests": len(outs),
+            }
+        print(
+            f"  json C={c}: "
+            + "  ".join(
+                f"{name} {r[c]['tok_s']:.1f} tok/s ({r[c]['valid']}/{r[c]['requests']} valid)"
+                for name, r in results.items()
+            ),
+            flush=True,
+        )
     return results
 
 
@@ -208,24 +260,28 @@ def _llama_call(payload: dict) -> tuple[str, int, dict]:
 def run_programs(args, engine, llama) -> dict:
     """The program workload: plait's run_batch, then its recorded calls replayed on each engine."""
     from plait.benchmarks.programs import few_shot, make_batch, run_recorded
+
     batch = make_batch(args.num_programs, args.num_shots)
     engine.flush_cache()
-    dt, calls = run_recorded(engine, batch, few_shot(args.num_shots), args.program_max_tokens,
-                             args.program_concurrency)
+    dt, calls = run_recorded(engine, batch, few_shot(args.num_shots), args.program_max_tokens, args.program_concurrency)
     calls = [c for c in calls if c.get("sampling_params", {}).get("max_new_tokens", 1) > 0]
     out = {"programs": len(batch), "calls": len(calls), "plait_run_batch_s": dt}
     engine.flush_cache()
-    seconds, _ = in_flight(lambda c: engine.generate(c["text"], c["sampling_params"]), calls,
-                           args.program_concurrency)
+    seconds, _ = in_flight(lambda c: engine.generate(c["text"], c["sampling_params"]), calls, args.program_concurrency)
     out["replay_s"] = {"plait": seconds}
     if llama is not None:
+
         def replay(call: dict) -> tuple[int, str]:
             prompt, max_tokens, extra = _llama_call(call)
             return llama.complete(prompt, max_tokens, **extra)
+
         seconds, _ = in_flight(replay, calls, args.program_concurrency)
         out["replay_s"]["llama.cpp"] = seconds
-    print(f"  programs: plait run_batch {dt:.2f} s; replay of {len(calls)} calls at concurrency "
-          f"{args.program_concurrency}: " + "  ".join(f"{k} {v:.2f} s" for k, v in out["replay_s"].items()), flush=True)
+    print(
+        f"  programs: plait run_batch {dt:.2f} s; replay of {len(calls)} calls at concurrency "
+        f"{args.program_concurrency}: " + "  ".join(f"{k} {v:.2f} s" for k, v in out["replay_s"].items()),
+        flush=True,
+    )
     return out
 
 
@@ -234,6 +290,7 @@ def compare(args) -> dict:
     import plait
     from plait.benchmarks.offline import hf_generate, load_hf, make_prompts
     from plait.runtime.model_executor.model_loader import load_tokenizer, resolve_model
+
     tokenizer = load_tokenizer(resolve_model(args.model))
     prompts = make_prompts(tokenizer, max(args.concurrency) * args.waves)
     levels = sorted(args.concurrency)
@@ -241,8 +298,11 @@ def compare(args) -> dict:
     llama = None
     gguf = gguf_for(args.model)
     slots = max(levels + [args.program_concurrency])
-    command = None if gguf is None or args.skip_llama_cpp else llama_cpp_command(
-        gguf, args.llama_port, args.threads, slots, args.ctx_per_slot)
+    command = (
+        None
+        if gguf is None or args.skip_llama_cpp
+        else llama_cpp_command(gguf, args.llama_port, args.threads, slots, args.ctx_per_slot)
+    )
     if args.skip_llama_cpp:
         notes.append("llama.cpp: skipped")
     elif gguf is None:
@@ -255,10 +315,15 @@ def compare(args) -> dict:
     hf, tok = load_hf(args.model, args.dtype, args.threads) if "chat" in args.workloads else (None, None)
     out: dict = {"notes": notes}
     try:
-        with plait.Engine(model=args.model, dtype=args.dtype, quantization=args.quantization,
-                          num_threads=args.threads, max_running_requests=slots,
-                          max_total_tokens=args.max_total_tokens) as engine:
-            engine.generate(prompts[0], {"max_new_tokens": 2})   # warm-ups
+        with plait.Engine(
+            model=args.model,
+            dtype=args.dtype,
+            quantization=args.quantization,
+            num_threads=args.threads,
+            max_running_requests=slots,
+            max_total_tokens=args.max_total_tokens,
+        ) as engine:
+            engine.generate(prompts[0], {"max_new_tokens": 2})  # warm-ups
             if hf is not None:
                 hf_generate(hf, tok, prompts[:1], 2, 1)
             if "chat" in args.workloads:
@@ -283,16 +348,22 @@ def print_table(out: dict) -> None:
         print("\njson extraction: output tok/s (valid / requests)")
         print(f"{'engine':24}" + "".join(f"{'C=' + str(c):>18}" for c in levels))
         for name, row in r.items():
-            print(f"{name:24}" + "".join(f"{row[c]['tok_s']:9.1f} ({row[c]['valid']:>2}/{row[c]['requests']:>2})"
-                                         for c in levels))
+            print(
+                f"{name:24}"
+                + "".join(f"{row[c]['tok_s']:9.1f} ({row[c]['valid']:>2}/{row[c]['requests']:>2})" for c in levels)
+            )
         for name, row in r.items():
             if name != "plait":
-                print(f"{'plait / ' + name:24}" + "".join(f"{r['plait'][c]['tok_s'] / row[c]['tok_s']:17.2f}x"
-                                                          for c in levels))
+                print(
+                    f"{'plait / ' + name:24}"
+                    + "".join(f"{r['plait'][c]['tok_s'] / row[c]['tok_s']:17.2f}x" for c in levels)
+                )
     if "programs" in out:
         p = out["programs"]
-        print(f"\nprograms: {p['programs']} programs, {p['calls']} calls; plait run_batch {p['plait_run_batch_s']:.2f} s "
-              f"({p['programs'] / p['plait_run_batch_s']:.2f} programs/s)")
+        print(
+            f"\nprograms: {p['programs']} programs, {p['calls']} calls; plait run_batch {p['plait_run_batch_s']:.2f} s "
+            f"({p['programs'] / p['plait_run_batch_s']:.2f} programs/s)"
+        )
         ours = p["replay_s"]["plait"]
         for name, sec in p["replay_s"].items():
             ratio = f"  plait / {name}: {sec / ours:.2f}x" if name != "plait" else ""
@@ -314,16 +385,23 @@ def print_chat(out: dict) -> None:
             print(f"{'plait / ' + name:24}" + "".join(f"{r['plait'][c] / row[c]:9.2f}x" for c in levels))
     if "roofline" in out:
         from plait.benchmarks.roofline import fraction_line
+
         roof = out["roofline"]
-        print(fraction_line(f"plait at C={levels[0]} vs batch-1 bandwidth", r["plait"][levels[0]], roof["batch1_tok_s"]))
-        print(fraction_line(f"plait at C={levels[-1]} vs large-batch compute", r["plait"][levels[-1]],
-                            roof["large_batch_tok_s"]))
+        print(
+            fraction_line(f"plait at C={levels[0]} vs batch-1 bandwidth", r["plait"][levels[0]], roof["batch1_tok_s"])
+        )
+        print(
+            fraction_line(
+                f"plait at C={levels[-1]} vs large-batch compute", r["plait"][levels[-1]], roof["large_batch_tok_s"]
+            )
+        )
 
 
 def plot(out: dict, path: str) -> bool:
     """Throughput against concurrency, one line per engine; False when matplotlib is missing."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -349,8 +427,9 @@ def plot(out: dict, path: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="plait bench compare", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="plait bench compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--quantization", default=None, choices=["int8", "int4"], help="plait's weights (HF stays float)")
@@ -362,10 +441,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hf-sequential", type=int, default=2, help="requests HF runs one at a time")
     ap.add_argument("--skip-llama-cpp", action="store_true")
     ap.add_argument("--llama-port", type=int, default=30901)
-    ap.add_argument("--ctx-per-slot", type=int, default=2048,
-                    help="llama.cpp context per slot (the program prompts are ~1,300 tokens)")
-    ap.add_argument("--workloads", nargs="+", default=["chat", "json", "programs"],
-                    choices=["chat", "json", "programs"])
+    ap.add_argument(
+        "--ctx-per-slot",
+        type=int,
+        default=2048,
+        help="llama.cpp context per slot (the program prompts are ~1,300 tokens)",
+    )
+    ap.add_argument(
+        "--workloads", nargs="+", default=["chat", "json", "programs"], choices=["chat", "json", "programs"]
+    )
     ap.add_argument("--json-max-tokens", type=int, default=160, help="max new tokens of a JSON extraction")
     ap.add_argument("--num-programs", type=int, default=16, help="programs of the program workload")
     ap.add_argument("--num-shots", type=int, default=10, help="worked examples in the programs' shared prefix")
@@ -381,6 +465,7 @@ def main(argv: list[str] | None = None) -> dict:
     out["load_avg"] = os.getloadavg()
     if not args.skip_roofline:
         from plait.benchmarks.roofline import roofline
+
         r = roofline(args.model, args.dtype, args.quantization, args.threads)
         out["roofline"] = {k: r[k] for k in ("batch1_tok_s", "large_batch_tok_s", "peak_gflops")}
     print_table(out)

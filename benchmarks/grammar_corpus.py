@@ -22,6 +22,7 @@ Reports, for one backend:
     python -m benchmarks.grammar_corpus --backend xgrammar --seeds 3 --json out.json
     python -m benchmarks.grammar_corpus --backend outlines --compile-timeout 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,6 +43,7 @@ def _corpus():
     if _TESTS not in sys.path:
         sys.path.insert(0, _TESTS)
     import schema_corpus
+
     return schema_corpus
 
 
@@ -53,10 +55,12 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[k]
 
 
-def measure_compile(backend_name: str, tokenizer, vocab_size: int, eos_ids: list[int], schemas,
-                    timeout_s: float, max_memory_mb: int) -> dict:
+def measure_compile(
+    backend_name: str, tokenizer, vocab_size: int, eos_ids: list[int], schemas, timeout_s: float, max_memory_mb: int
+) -> dict:
     """Cold compile of every schema with a fresh backend (no cache): times and failures."""
     from plait.grammar import GrammarCache, GrammarError, GrammarSpec, make_backend
+
     opts: dict[str, Any] = {}
     if backend_name == "outlines":
         opts.update(compile_timeout_s=timeout_s, max_memory_mb=max_memory_mb)
@@ -84,11 +88,17 @@ def measure_compile(backend_name: str, tokenizer, vocab_size: int, eos_ids: list
         cache.get(GrammarSpec.from_json_schema(schema))
         cached.append(time.perf_counter() - t0)
     cache.shutdown()
-    return {"setup_s": setup_s, "compiled": len(times), "failures": failures, "times": times,
-            "compile_p50_ms": statistics.median(ts) * 1000 if ts else float("nan"),
-            "compile_p99_ms": percentile(ts, 99) * 1000, "compile_max_ms": max(ts) * 1000 if ts else float("nan"),
-            "cached_p50_us": statistics.median(cached) * 1e6 if cached else float("nan"),
-            "cached_p99_us": percentile(cached, 99) * 1e6}
+    return {
+        "setup_s": setup_s,
+        "compiled": len(times),
+        "failures": failures,
+        "times": times,
+        "compile_p50_ms": statistics.median(ts) * 1000 if ts else float("nan"),
+        "compile_p99_ms": percentile(ts, 99) * 1000,
+        "compile_max_ms": max(ts) * 1000 if ts else float("nan"),
+        "cached_p50_us": statistics.median(cached) * 1e6 if cached else float("nan"),
+        "cached_p99_us": percentile(cached, 99) * 1e6,
+    }
 
 
 def run_corpus(engine, schemas, seeds: int, max_new_tokens: int, temperature: float = 1.0) -> dict:
@@ -98,14 +108,19 @@ def run_corpus(engine, schemas, seeds: int, max_new_tokens: int, temperature: fl
     for name, schema in schemas:
         for seed in range(seeds):
             prompts.append(sc.prompt_for(engine.tokenizer, name))
-            params.append({"json_schema": schema, "temperature": temperature, "seed": 1000 + seed,
-                           "max_new_tokens": max_new_tokens})
+            params.append(
+                {
+                    "json_schema": schema,
+                    "temperature": temperature,
+                    "seed": 1000 + seed,
+                    "max_new_tokens": max_new_tokens,
+                }
+            )
             owners.append((name, schema, seed))
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)
     wall = time.perf_counter() - t0
-    counts = {"valid": 0, "length": 0, "abort": 0, "not_json": 0, "invalid": 0, "calendar_invalid": 0,
-              "length_free": 0}
+    counts = {"valid": 0, "length": 0, "abort": 0, "not_json": 0, "invalid": 0, "calendar_invalid": 0, "length_free": 0}
     problems, lengths = [], []
     for (name, schema, seed), out in zip(owners, outs):
         status, detail = sc.check_output(schema, out)
@@ -119,11 +134,15 @@ def run_corpus(engine, schemas, seeds: int, max_new_tokens: int, temperature: fl
                 detail = out["text"][:240]
                 counts["length_free"] += sc.free_length(schema)
             problems.append({"schema": name, "seed": seed, "status": status, "detail": detail[:300]})
-    return {"outputs": len(outs), **counts, "wall_s": wall,
-            "tokens": sum(o["meta_info"]["completion_tokens"] for o in outs),
-            "valid_len_p50": statistics.median(lengths) if lengths else float("nan"),
-            "valid_len_max": max(lengths) if lengths else 0,
-            "problems": problems}
+    return {
+        "outputs": len(outs),
+        **counts,
+        "wall_s": wall,
+        "tokens": sum(o["meta_info"]["completion_tokens"] for o in outs),
+        "valid_len_p50": statistics.median(lengths) if lengths else float("nan"),
+        "valid_len_max": max(lengths) if lengths else 0,
+        "problems": problems,
+    }
 
 
 def _timed(engine, prompts, params) -> tuple[list[dict], float]:
@@ -153,20 +172,31 @@ def throughput(engine, schemas, concurrency: int, num_requests: int, max_new_tok
         return outs
 
     for i in range(0, num_requests, concurrency):
-        ps = prompts[i:i + concurrency]
-        cq = [{"json_schema": s, "temperature": 0, "max_new_tokens": max_new_tokens}
-              for _, s in chosen[i:i + concurrency]]
+        ps = prompts[i : i + concurrency]
+        cq = [
+            {"json_schema": s, "temperature": 0, "max_new_tokens": max_new_tokens}
+            for _, s in chosen[i : i + concurrency]
+        ]
         couts = run("c", ps, cq)
-        uq = [{"temperature": 0, "max_new_tokens": max(1, o["meta_info"]["completion_tokens"]), "ignore_eos": True}
-              for o in couts]
+        uq = [
+            {"temperature": 0, "max_new_tokens": max(1, o["meta_info"]["completion_tokens"]), "ignore_eos": True}
+            for o in couts
+        ]
         run("u", ps, uq)
         if concurrency > 1:
             run("u", ps, uq)
             run("c", ps, cq)
-    return {"concurrency": concurrency, "requests": num_requests,
-            "constrained_tokens": tok["c"], "constrained_s": wall["c"], "constrained_tok_s": tok["c"] / wall["c"],
-            "unconstrained_tokens": tok["u"], "unconstrained_s": wall["u"], "unconstrained_tok_s": tok["u"] / wall["u"],
-            "ratio": (tok["c"] / wall["c"]) / (tok["u"] / wall["u"])}
+    return {
+        "concurrency": concurrency,
+        "requests": num_requests,
+        "constrained_tokens": tok["c"],
+        "constrained_s": wall["c"],
+        "constrained_tok_s": tok["c"] / wall["c"],
+        "unconstrained_tokens": tok["u"],
+        "unconstrained_s": wall["u"],
+        "unconstrained_tok_s": tok["u"] / wall["u"],
+        "ratio": (tok["c"] / wall["c"]) / (tok["u"] / wall["u"]),
+    }
 
 
 def run(args) -> dict:
@@ -182,13 +212,22 @@ def run(args) -> dict:
     schemas = list(sc.SCHEMAS)
     if args.limit:
         schemas = schemas[: args.limit]
-    result: dict[str, Any] = {"backend": args.backend, "schemas": len(schemas), "seeds": args.seeds,
-                              "max_new_tokens": args.max_new_tokens}
+    result: dict[str, Any] = {
+        "backend": args.backend,
+        "schemas": len(schemas),
+        "seeds": args.seeds,
+        "max_new_tokens": args.max_new_tokens,
+    }
     path = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    engine_args = dict(model=args.model, dtype=args.dtype, grammar_backend=args.backend,
-                       grammar_compile_timeout=args.compile_timeout, max_total_tokens=args.max_total_tokens,
-                       max_running_requests=max(32, len(schemas) * args.seeds))
+    engine_args = dict(
+        model=args.model,
+        dtype=args.dtype,
+        grammar_backend=args.backend,
+        grammar_compile_timeout=args.compile_timeout,
+        max_total_tokens=args.max_total_tokens,
+        max_running_requests=max(32, len(schemas) * args.seeds),
+    )
     has_jf = "disable_jump_forward" in {f.name for f in dataclasses.fields(ServerArgs)}
     modes = [True, False] if (args.jump_forward == "both" and has_jf) else [args.jump_forward != "off"]
     result["throughput"] = []
@@ -200,23 +239,35 @@ def run(args) -> dict:
                 eos = sorted(engine.eos_token_ids)
                 vocab = engine._info["vocab_size"]
                 print(f"# {args.backend}: cold compile of {len(schemas)} schemas", file=sys.stderr, flush=True)
-                result["compile"] = measure_compile(args.backend, tokenizer, vocab, eos, schemas,
-                                                    args.compile_timeout, args.max_memory_mb)
-                print(f"# {args.backend}: {len(schemas)} x {args.seeds} sampled outputs in one batch "
-                      f"(jump-forward {'on' if jf else 'off'})", file=sys.stderr, flush=True)
+                result["compile"] = measure_compile(
+                    args.backend, tokenizer, vocab, eos, schemas, args.compile_timeout, args.max_memory_mb
+                )
+                print(
+                    f"# {args.backend}: {len(schemas)} x {args.seeds} sampled outputs in one batch "
+                    f"(jump-forward {'on' if jf else 'off'})",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 result["corpus"] = run_corpus(engine, schemas, args.seeds, args.max_new_tokens)
                 result["corpus"]["jump_forward"] = jf
                 failed = set(result["compile"]["failures"]) | {
-                    p["schema"] for p in result["corpus"]["problems"] if p["status"] == "abort"}
+                    p["schema"] for p in result["corpus"]["problems"] if p["status"] == "abort"
+                }
                 ok = [(n, s) for n, s in schemas if n not in failed]
-            else:   # a fresh engine: compile what the timed runs use first
-                engine.generate([sc.prompt_for(engine.tokenizer, n) for n, _ in ok],
-                                [{"json_schema": s, "max_new_tokens": 1} for _, s in ok])
+            else:  # a fresh engine: compile what the timed runs use first
+                engine.generate(
+                    [sc.prompt_for(engine.tokenizer, n) for n, _ in ok],
+                    [{"json_schema": s, "max_new_tokens": 1} for _, s in ok],
+                )
             for c, n in ((1, args.requests_c1), (32, args.requests_c32)):
                 if not n or not ok:
                     continue
-                print(f"# {args.backend}: throughput at concurrency {c} ({n} requests), jump-forward "
-                      f"{'on' if jf else 'off'}", file=sys.stderr, flush=True)
+                print(
+                    f"# {args.backend}: throughput at concurrency {c} ({n} requests), jump-forward "
+                    f"{'on' if jf else 'off'}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 t = throughput(engine, ok, c, n, args.max_new_tokens)
                 t["jump_forward"] = jf if has_jf else None
                 result["throughput"].append(t)
@@ -227,22 +278,28 @@ def run(args) -> dict:
 def print_report(r: dict) -> None:
     c, k = r["compile"], r["corpus"]
     print(f"\n## {r['backend']}: {r['schemas']} schemas x {r['seeds']} seeds, max_new_tokens {r['max_new_tokens']}")
-    print("| schemas compiled | outputs | valid | cut by length (of which in a free-length format schema) | aborted | not JSON | invalid | "
-          "valid but calendar-invalid date | compile p50 ms | compile p99 ms | compile max ms | cached p50 / p99 us | "
-          "batch wall s |")
+    print(
+        "| schemas compiled | outputs | valid | cut by length (of which in a free-length format schema) | aborted | not JSON | invalid | "
+        "valid but calendar-invalid date | compile p50 ms | compile p99 ms | compile max ms | cached p50 / p99 us | "
+        "batch wall s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    print(f"| {c['compiled']}/{r['schemas']} | {k['outputs']} | {k['valid']} | {k['length']} ({k['length_free']}) | {k['abort']} | "
-          f"{k['not_json']} | {k['invalid']} | {k['calendar_invalid']} | {c['compile_p50_ms']:.1f} | "
-          f"{c['compile_p99_ms']:.1f} | {c['compile_max_ms']:.1f} | "
-          f"{c['cached_p50_us']:.0f} / {c['cached_p99_us']:.0f} | "
-          f"{k['wall_s']:.1f} |")
+    print(
+        f"| {c['compiled']}/{r['schemas']} | {k['outputs']} | {k['valid']} | {k['length']} ({k['length_free']}) | {k['abort']} | "
+        f"{k['not_json']} | {k['invalid']} | {k['calendar_invalid']} | {c['compile_p50_ms']:.1f} | "
+        f"{c['compile_p99_ms']:.1f} | {c['compile_max_ms']:.1f} | "
+        f"{c['cached_p50_us']:.0f} / {c['cached_p99_us']:.0f} | "
+        f"{k['wall_s']:.1f} |"
+    )
     if r["throughput"]:
         print("\n| concurrency | jump-forward | requests | tokens | constrained tok/s | unconstrained tok/s | ratio |")
         print("|---|---|---|---|---|---|---|")
         for t in r["throughput"]:
             jf = {True: "on", False: "off", None: "n/a"}[t.get("jump_forward")]
-            print(f"| {t['concurrency']} | {jf} | {t['requests']} | {t['constrained_tokens']} | "
-                  f"{t['constrained_tok_s']:.1f} | {t['unconstrained_tok_s']:.1f} | {t['ratio']:.2f} |")
+            print(
+                f"| {t['concurrency']} | {jf} | {t['requests']} | {t['constrained_tokens']} | "
+                f"{t['constrained_tok_s']:.1f} | {t['unconstrained_tok_s']:.1f} | {t['ratio']:.2f} |"
+            )
     if c["failures"]:
         print("\ncompile failures:")
         for name, msg in c["failures"].items():
@@ -266,8 +323,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-memory-mb", type=int, default=2048, help="outlines: per-compile memory limit")
     ap.add_argument("--requests-c1", type=int, default=8, help="requests for the concurrency-1 run (0: skip)")
     ap.add_argument("--requests-c32", type=int, default=32, help="requests for the concurrency-32 run (0: skip)")
-    ap.add_argument("--jump-forward", choices=["on", "off", "both"], default="both",
-                    help="throughput with the engine's jump-forward on, off, or both (two engines)")
+    ap.add_argument(
+        "--jump-forward",
+        choices=["on", "off", "both"],
+        default="both",
+        help="throughput with the engine's jump-forward on, off, or both (two engines)",
+    )
     ap.add_argument("--limit", type=int, default=None, help="only the first N schemas")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()

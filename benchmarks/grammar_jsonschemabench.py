@@ -13,6 +13,7 @@ and \\u-escaped, and each with the instance's object keys as given and re-ordere
     python -m benchmarks.grammar_jsonschemabench --backend xgrammar --json out.json
     python -m benchmarks.grammar_jsonschemabench --backend outlines --timeout 2 --max-memory-mb 1024
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .grammar_corpus import percentile  # noqa: E402  (after OMP_WAIT_POLICY)
 
-DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
-                            "jsonschemabench")
+DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "jsonschemabench")
 
 
 def _default_data() -> str:
@@ -41,6 +41,7 @@ def _default_data() -> str:
 def _resolve(schema: Any, root: Any, depth: int = 0) -> Any:
     """Follow a local $ref ("#/a/b") a few levels."""
     from plait.grammar.schema_rewrite import resolve_local_ref
+
     while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and depth < 20:
         node = resolve_local_ref(root, schema["$ref"])
         if node is None:
@@ -61,12 +62,15 @@ def reorder(data: Any, schema: Any, root: Any, depth: int = 0) -> Any:
     if isinstance(data, dict):
         props = dict(schema.get("properties") or {})
         for s in subs:
-            for k, v in (_resolve(s, root).get("properties") or {}).items() if isinstance(_resolve(s, root), dict) else []:
+            for k, v in (
+                (_resolve(s, root).get("properties") or {}).items() if isinstance(_resolve(s, root), dict) else []
+            ):
                 props.setdefault(k, v)
         keys = [k for k in props if k in data] + [k for k in data if k not in props]
         addl = schema.get("additionalProperties")
-        return {k: reorder(data[k], props.get(k, addl if isinstance(addl, dict) else {}), root, depth + 1)
-                for k in keys}
+        return {
+            k: reorder(data[k], props.get(k, addl if isinstance(addl, dict) else {}), root, depth + 1) for k in keys
+        }
     if isinstance(data, list):
         items = schema.get("items")
         prefix = schema.get("prefixItems")
@@ -113,6 +117,7 @@ def walk(grammar, tokenizer, text: str, fill_times: list[float] | None, bitmask)
 
 def run_backend(name: str, args, tokenizer, entries: list[dict]) -> dict:
     from plait.grammar import GrammarCache, GrammarError, GrammarSpec, allocate_token_bitmask, make_backend
+
     opts: dict[str, Any] = {}
     if args.json_whitespace:
         opts["json_whitespace"] = args.json_whitespace
@@ -164,15 +169,20 @@ def run_backend(name: str, args, tokenizer, entries: list[dict]) -> dict:
                     row["valid_ok"] += 1
                     row["accepted_as"].append(how)
             for t in it:
-                if not any(walk(grammar, tokenizer, text, None, bitmask)
-                           for _, text in serializations(t["data"], doc["schema"])):
+                if not any(
+                    walk(grammar, tokenizer, text, None, bitmask)
+                    for _, text in serializations(t["data"], doc["schema"])
+                ):
                     row["invalid_ok"] += 1
         rows.append(row)
         if args.verbose:
-            print(f"  [{i + 1}/{len(entries)}] {e['file']}: {row['status']} "
-                  f"{row.get('compile_s', 0) * 1000:.1f} ms {row.get('valid_ok', '-')}/{row.get('valid', '-')} "
-                  f"{row.get('invalid_ok', '-')}/{row.get('invalid', '-')} {row.get('error', '')[:100]}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"  [{i + 1}/{len(entries)}] {e['file']}: {row['status']} "
+                f"{row.get('compile_s', 0) * 1000:.1f} ms {row.get('valid_ok', '-')}/{row.get('valid', '-')} "
+                f"{row.get('invalid_ok', '-')}/{row.get('invalid', '-')} {row.get('error', '')[:100]}",
+                file=sys.stderr,
+                flush=True,
+            )
     cache.shutdown()
     return summarize(name, rows, fill_times, setup_s, opts)
 
@@ -188,48 +198,74 @@ def summarize(name: str, rows: list[dict], fill_times: list[float], setup_s: flo
             styles[s] = styles.get(s, 0) + 1
     by_subset: dict[str, dict] = {}
     for r in rows:
-        d = by_subset.setdefault(r["subset"], {"schemas": 0, "compiled": 0, "valid": 0, "valid_ok": 0,
-                                               "invalid": 0, "invalid_ok": 0})
+        d = by_subset.setdefault(
+            r["subset"], {"schemas": 0, "compiled": 0, "valid": 0, "valid_ok": 0, "invalid": 0, "invalid_ok": 0}
+        )
         d["schemas"] += 1
         if r["status"] == "ok":
             d["compiled"] += 1
             for k in ("valid", "valid_ok", "invalid", "invalid_ok"):
                 d[k] += r.get(k, 0)
     return {
-        "backend": name, "options": opts, "setup_s": setup_s,
-        "schemas": len(rows), "compiled": len(ok),
+        "backend": name,
+        "options": opts,
+        "setup_s": setup_s,
+        "schemas": len(rows),
+        "compiled": len(ok),
         "errors": sum(r["status"] == "error" for r in rows),
         "timeouts": sum(r["status"] == "timeout" for r in rows),
         "memory": sum(r["status"] == "memory" for r in rows),
         "compile_p50_ms": statistics.median(ct) * 1000 if ct else float("nan"),
-        "compile_p99_ms": percentile(ct, 99) * 1000, "compile_max_ms": max(ct) * 1000 if ct else float("nan"),
-        "valid": valid, "valid_accepted": sum(r.get("valid_ok", 0) for r in ok),
-        "invalid": invalid, "invalid_rejected": sum(r.get("invalid_ok", 0) for r in ok),
-        "schemas_all_correct": sum(1 for r in ok if r.get("valid_ok") == r.get("valid")
-                                   and r.get("invalid_ok") == r.get("invalid")),
+        "compile_p99_ms": percentile(ct, 99) * 1000,
+        "compile_max_ms": max(ct) * 1000 if ct else float("nan"),
+        "valid": valid,
+        "valid_accepted": sum(r.get("valid_ok", 0) for r in ok),
+        "invalid": invalid,
+        "invalid_rejected": sum(r.get("invalid_ok", 0) for r in ok),
+        "schemas_all_correct": sum(
+            1 for r in ok if r.get("valid_ok") == r.get("valid") and r.get("invalid_ok") == r.get("invalid")
+        ),
         "fill_mask_tokens": len(fill_times),
         "fill_mask_p50_us": statistics.median(fill_times) * 1e6 if fill_times else float("nan"),
         "fill_mask_p99_us": percentile(fill_times, 99) * 1e6,
         "fill_mask_mean_us": statistics.fmean(fill_times) * 1e6 if fill_times else float("nan"),
-        "accepted_as": styles, "by_subset": by_subset, "rows": rows,
+        "accepted_as": styles,
+        "by_subset": by_subset,
+        "rows": rows,
     }
 
 
 def print_table(results: list[dict]) -> None:
-    cols = ["backend", "compiled", "errors", "timeouts", "memory", "compile p50 ms", "compile p99 ms",
-            "valid accepted", "invalid rejected", "all-correct schemas", "fill_mask p50 us", "fill_mask p99 us"]
+    cols = [
+        "backend",
+        "compiled",
+        "errors",
+        "timeouts",
+        "memory",
+        "compile p50 ms",
+        "compile p99 ms",
+        "valid accepted",
+        "invalid rejected",
+        "all-correct schemas",
+        "fill_mask p50 us",
+        "fill_mask p99 us",
+    ]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in results:
-        print(f"| {r['backend']} | {r['compiled']}/{r['schemas']} | {r['errors']} | {r['timeouts']} | {r['memory']} | "
-              f"{r['compile_p50_ms']:.1f} | {r['compile_p99_ms']:.1f} | {r['valid_accepted']}/{r['valid']} | "
-              f"{r['invalid_rejected']}/{r['invalid']} | {r['schemas_all_correct']}/{r['compiled']} | "
-              f"{r['fill_mask_p50_us']:.1f} | {r['fill_mask_p99_us']:.1f} |")
+        print(
+            f"| {r['backend']} | {r['compiled']}/{r['schemas']} | {r['errors']} | {r['timeouts']} | {r['memory']} | "
+            f"{r['compile_p50_ms']:.1f} | {r['compile_p99_ms']:.1f} | {r['valid_accepted']}/{r['valid']} | "
+            f"{r['invalid_rejected']}/{r['invalid']} | {r['schemas_all_correct']}/{r['compiled']} | "
+            f"{r['fill_mask_p50_us']:.1f} | {r['fill_mask_p99_us']:.1f} |"
+        )
     for r in results:
         print(f"\n{r['backend']} by subset (compiled / valid accepted / invalid rejected):")
         for sub, d in sorted(r["by_subset"].items()):
-            print(f"  {sub:16s} {d['compiled']:3d}/{d['schemas']:<3d}  {d['valid_ok']:3d}/{d['valid']:<3d}  "
-                  f"{d['invalid_ok']:3d}/{d['invalid']:<3d}")
+            print(
+                f"  {sub:16s} {d['compiled']:3d}/{d['schemas']:<3d}  {d['valid_ok']:3d}/{d['valid']:<3d}  "
+                f"{d['invalid_ok']:3d}/{d['invalid']:<3d}"
+            )
         print(f"  valid instances accepted as: {r['accepted_as']}")
 
 
@@ -242,8 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=10.0, help="per-schema compile limit, seconds")
     ap.add_argument("--max-memory-mb", type=int, default=2048, help="outlines: per-compile memory limit")
     ap.add_argument("--json-whitespace", choices=["default", "compact", "any"], default=None)
-    ap.add_argument("--no-strict", action="store_true", help="xgrammar / llguidance / auto: strict_mode=False "
-                    "(objects allow undeclared keys)")
+    ap.add_argument(
+        "--no-strict",
+        action="store_true",
+        help="xgrammar / llguidance / auto: strict_mode=False (objects allow undeclared keys)",
+    )
     ap.add_argument("--any-order", action="store_true", help="xgrammar: any_order=True (keys in any order)")
     ap.add_argument("--subset", action="append", help="only these subsets")
     ap.add_argument("--limit", type=int, default=None, help="first N schemas (after --subset)")
@@ -252,9 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from transformers import AutoTokenizer
+
     path = args.tokenizer
     if path is None:
         from plait.runtime.model_executor.model_loader import resolve_model
+
         path = resolve_model("smollm2")
     tokenizer = AutoTokenizer.from_pretrained(path)
     args.vocab_size = args.vocab_size or len(tokenizer)

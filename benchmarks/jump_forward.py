@@ -9,6 +9,7 @@ output) and the table shows requests/s and the speed-up.
 
     plait bench jump_forward --concurrency 1 4 --rounds 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,14 +29,22 @@ SCHEMA = {
         "employer_company_name": {"type": "string", "maxLength": 40},
         "city_of_residence": {"type": "string", "maxLength": 30},
         "years_of_professional_experience": {"type": "integer", "minimum": 0, "maximum": 60},
-        "current_employment_status": {"enum": ["employed_full_time", "employed_part_time", "self_employed",
-                                               "unemployed", "retired"]},
+        "current_employment_status": {
+            "enum": ["employed_full_time", "employed_part_time", "self_employed", "unemployed", "retired"]
+        },
         "primary_programming_language": {"enum": ["python", "javascript", "rust", "go", "java", "none"]},
         "is_open_to_new_opportunities": {"type": "boolean"},
     },
-    "required": ["full_name", "job_title", "employer_company_name", "city_of_residence",
-                 "years_of_professional_experience", "current_employment_status",
-                 "primary_programming_language", "is_open_to_new_opportunities"],
+    "required": [
+        "full_name",
+        "job_title",
+        "employer_company_name",
+        "city_of_residence",
+        "years_of_professional_experience",
+        "current_employment_status",
+        "primary_programming_language",
+        "is_open_to_new_opportunities",
+    ],
 }
 
 DOCS = [
@@ -60,9 +69,12 @@ DOCS = [
 def prompts(tokenizer) -> list[str]:
     out = []
     for doc in DOCS:
-        msg = ("Extract the person's record from the text as JSON.\n\nText: " + doc)
-        out.append(tokenizer.apply_chat_template([{"role": "user", "content": msg}], tokenize=False,
-                                                 add_generation_prompt=True))
+        msg = "Extract the person's record from the text as JSON.\n\nText: " + doc
+        out.append(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": msg}], tokenize=False, add_generation_prompt=True
+            )
+        )
     return out
 
 
@@ -72,7 +84,7 @@ def run_batch(engine, texts: list[str], concurrency: int, max_new_tokens: int) -
     outs: list = []
     t0 = time.perf_counter()
     for i in range(0, len(texts), concurrency):
-        outs += engine.generate(texts[i:i + concurrency], [params] * len(texts[i:i + concurrency]))
+        outs += engine.generate(texts[i : i + concurrency], [params] * len(texts[i : i + concurrency]))
     dt = time.perf_counter() - t0
     return dt, [o["text"] for o in outs], sum(o["meta_info"]["completion_tokens"] for o in outs)
 
@@ -90,12 +102,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import plait
-    common = dict(model=args.model, dtype=args.dtype, grammar_backend=args.grammar_backend,
-                  disable_radix_cache=True, num_threads=args.num_threads)
+
+    common = dict(
+        model=args.model,
+        dtype=args.dtype,
+        grammar_backend=args.grammar_backend,
+        disable_radix_cache=True,
+        num_threads=args.num_threads,
+    )
     engines = {"on": plait.Engine(**common), "off": plait.Engine(**common, disable_jump_forward=True)}
     try:
         texts = prompts(engines["on"].tokenizer)
-        for e in engines.values():        # compile the grammar, warm up
+        for e in engines.values():  # compile the grammar, warm up
             run_batch(e, texts[:1], 1, args.max_new_tokens)
         rows = []
         for c in args.concurrency:
@@ -109,17 +127,31 @@ def main(argv: list[str] | None = None) -> int:
                     outs[mode], toks[mode] = out, n
             valid = sum(_is_record(t) for t in outs["on"])
             on, off = statistics.median(secs["on"]), statistics.median(secs["off"])
-            rows.append({"concurrency": c, "requests": len(texts), "off_s": off, "on_s": on,
-                         "off_req_s": len(texts) / off, "on_req_s": len(texts) / on, "speedup": off / on,
-                         "identical": outs["on"] == outs["off"], "valid_json": valid,
-                         "output_tokens": toks["on"]})
-        print(f"JSON extraction, {len(texts)} greedy requests, grammar backend {args.grammar_backend}, "
-              f"load {os.getloadavg()[0]:.2f}")
+            rows.append(
+                {
+                    "concurrency": c,
+                    "requests": len(texts),
+                    "off_s": off,
+                    "on_s": on,
+                    "off_req_s": len(texts) / off,
+                    "on_req_s": len(texts) / on,
+                    "speedup": off / on,
+                    "identical": outs["on"] == outs["off"],
+                    "valid_json": valid,
+                    "output_tokens": toks["on"],
+                }
+            )
+        print(
+            f"JSON extraction, {len(texts)} greedy requests, grammar backend {args.grammar_backend}, "
+            f"load {os.getloadavg()[0]:.2f}"
+        )
         print("| concurrency | jump off req/s | jump on req/s | speed-up | identical text | valid JSON |")
         print("|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['concurrency']} | {r['off_req_s']:.3f} | {r['on_req_s']:.3f} | {r['speedup']:.2f}x | "
-                  f"{r['identical']} | {r['valid_json']}/{r['requests']} |")
+            print(
+                f"| {r['concurrency']} | {r['off_req_s']:.3f} | {r['on_req_s']:.3f} | {r['speedup']:.2f}x | "
+                f"{r['identical']} | {r['valid_json']}/{r['requests']} |"
+            )
         if args.json_out:
             with open(args.json_out, "w") as f:
                 json.dump(rows, f, indent=1)

@@ -14,6 +14,7 @@ the engine's own counters) of each run.
 
     plait bench programs --num-programs 16 --max-tokens 16 --json out.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,24 +48,35 @@ FACTS = [
 
 def _example(f: tuple) -> str:
     country, capital, river, language, currency, dish, landmark = f
-    return (f"Context: {country} is a small country whose capital is {capital}. Its longest river is {river}, "
-            f"most people there speak {language}, and prices are paid in the {currency}. The national dish "
-            f"is {dish}, and visitors rarely leave without seeing {landmark}.\n"
-            f"Question: What is the capital of {country}, and which river is the longest there?\n"
-            f"Answer: The capital is {capital}; the longest river is {river}.\n\n")
+    return (
+        f"Context: {country} is a small country whose capital is {capital}. Its longest river is {river}, "
+        f"most people there speak {language}, and prices are paid in the {currency}. The national dish "
+        f"is {dish}, and visitors rarely leave without seeing {landmark}.\n"
+        f"Question: What is the capital of {country}, and which river is the longest there?\n"
+        f"Answer: The capital is {capital}; the longest river is {river}.\n\n"
+    )
 
 
 def few_shot(n_shots: int) -> str:
     """The shared prefix: instructions and `n_shots` worked examples (10: about 1000 tokens)."""
-    return ("You answer questions about the countries of an imaginary continent. Read the context of each "
-            "example and answer with the facts it states, briefly and exactly, in the same format as the "
-            "worked examples below. If the context does not say, answer that it is not known.\n\n"
-            + "".join(_example(f) for f in FACTS[:n_shots]))
+    return (
+        "You answer questions about the countries of an imaginary continent. Read the context of each "
+        "example and answer with the facts it states, briefly and exactly, in the same format as the "
+        "worked examples below. If the context does not say, answer that it is not known.\n\n"
+        + "".join(_example(f) for f in FACTS[:n_shots])
+    )
 
-SCHEMA = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 24},
-                                           "language": {"type": "string", "maxLength": 24},
-                                           "currency": {"type": "string", "maxLength": 24}},
-          "required": ["capital", "language", "currency"], "additionalProperties": False}
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "capital": {"type": "string", "maxLength": 24},
+        "language": {"type": "string", "maxLength": 24},
+        "currency": {"type": "string", "maxLength": 24},
+    },
+    "required": ["capital", "language", "currency"],
+    "additionalProperties": False,
+}
 
 
 def define_programs(prefix: str):
@@ -97,8 +109,13 @@ def define_programs(prefix: str):
     @pl.function
     def multi_turn_chat(s, fact):
         s += pl.system(prefix)
-        for i, q in enumerate((f"Tell me about {fact[0]}. {_example(fact).split('Question:')[0].strip()}",
-                               "What should I eat there?", "And what should I see?")):
+        for i, q in enumerate(
+            (
+                f"Tell me about {fact[0]}. {_example(fact).split('Question:')[0].strip()}",
+                "What should I eat there?",
+                "And what should I see?",
+            )
+        ):
             s += pl.user(q)
             s += pl.assistant(pl.gen(f"turn{i}"))
 
@@ -106,7 +123,7 @@ def define_programs(prefix: str):
 
     @pl.function
     def workload(s, kind, fact):
-        s += kinds[kind](fact)          # nested call: the chosen program runs on this state
+        s += kinds[kind](fact)  # nested call: the chosen program runs on this state
 
     return workload, kinds
 
@@ -153,19 +170,30 @@ def _counters(engine) -> tuple[int, int]:
 
 def _row(name: str, n: int, calls: int, seconds: float, before: tuple, after: tuple) -> dict:
     prompt, cached = after[0] - before[0], after[1] - before[1]
-    return {"run": name, "programs": n, "calls": calls, "seconds": seconds, "programs_per_s": n / seconds,
-            "prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else 0.0}
+    return {
+        "run": name,
+        "programs": n,
+        "calls": calls,
+        "seconds": seconds,
+        "programs_per_s": n / seconds,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit_rate": cached / prompt if prompt else 0.0,
+    }
 
 
 def _engine(args, **extra):
     import plait as pl
-    kw = {k: v for k, v in (("dtype", args.dtype), ("num_threads", args.threads),
-                            ("max_total_tokens", args.max_total_tokens)) if v is not None}
+
+    kw = {
+        k: v
+        for k, v in (("dtype", args.dtype), ("num_threads", args.threads), ("max_total_tokens", args.max_total_tokens))
+        if v is not None
+    }
     return pl.Engine(model=args.model, random_seed=0, **kw, **extra)
 
 
-def run_recorded(engine, batch: list[dict], prefix: str, max_tokens: int, num_threads: int
-                 ) -> tuple[float, list[dict]]:
+def run_recorded(engine, batch: list[dict], prefix: str, max_tokens: int, num_threads: int) -> tuple[float, list[dict]]:
     """The programs of `batch` (after `prefix`) through `run_batch` on `engine`, every request they
     send recorded; (seconds, calls). Raises when a program failed: the figures would be meaningless."""
     workload, _ = define_programs(prefix)
@@ -195,6 +223,7 @@ def run_plait(args, batch: list[dict]) -> tuple[dict, list[dict]]:
 def run_sequential(args, calls: list[dict], n_programs: int) -> dict:
     """(b): the same calls one at a time, each a full-text request, on an engine without the cache."""
     from plait.frontend import EngineBackend
+
     with _engine(args, disable_radix_cache=True) as eng:
         eng.generate("Warm-up.", {"max_new_tokens": 2})
         be = EngineBackend(eng)
@@ -203,30 +232,36 @@ def run_sequential(args, calls: list[dict], n_programs: int) -> dict:
         for payload in calls:
             be._post(payload)
         dt = time.perf_counter() - t
-        return _row("same calls one by one (no radix cache)", n_programs, len(calls), dt, before,
-                    _counters(eng))
+        return _row("same calls one by one (no radix cache)", n_programs, len(calls), dt, before, _counters(eng))
 
 
 def print_table(result: dict) -> None:
     c = result["config"]
-    print(f"\nmodel {c['model']}  programs {c['num_programs']} (qa/tot/json/chat in turn)  "
-          f"max_tokens {c['max_tokens']}  shared prefix {result['plait']['prefix_tokens']} tokens "
-          f"({c['num_shots']} shots)  "
-          f"load {result['load_avg'][0]:.2f}")
-    head = (f"{'run':42} {'calls':>6} {'seconds':>8} {'programs/s':>11} {'prompt tok':>11} "
-            f"{'cached tok':>11} {'hit rate':>9}")
+    print(
+        f"\nmodel {c['model']}  programs {c['num_programs']} (qa/tot/json/chat in turn)  "
+        f"max_tokens {c['max_tokens']}  shared prefix {result['plait']['prefix_tokens']} tokens "
+        f"({c['num_shots']} shots)  "
+        f"load {result['load_avg'][0]:.2f}"
+    )
+    head = (
+        f"{'run':42} {'calls':>6} {'seconds':>8} {'programs/s':>11} {'prompt tok':>11} "
+        f"{'cached tok':>11} {'hit rate':>9}"
+    )
     print(head)
     print("-" * len(head))
     for key in ("plait", "sequential"):
         r = result[key]
-        print(f"{r['run']:42} {r['calls']:>6} {r['seconds']:>8.2f} {r['programs_per_s']:>11.3f} "
-              f"{r['prompt_tokens']:>11} {r['cached_tokens']:>11} {r['hit_rate']:>9.1%}")
+        print(
+            f"{r['run']:42} {r['calls']:>6} {r['seconds']:>8.2f} {r['programs_per_s']:>11.3f} "
+            f"{r['prompt_tokens']:>11} {r['cached_tokens']:>11} {r['hit_rate']:>9.1%}"
+        )
     print(f"\nspeedup (programs/s): {result['speedup']:.2f}x  (target >= 3x)")
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="plait bench programs", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="plait bench programs", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--num-programs", type=int, default=16, help="programs in the batch (kinds in turn)")
@@ -245,8 +280,13 @@ def main(argv: list[str] | None = None) -> dict:
     batch = make_batch(args.num_programs, args.num_shots)
     plait_row, calls = run_plait(args, batch)
     seq_row = run_sequential(args, calls, len(batch))
-    result = {"config": vars(args), "load_avg": os.getloadavg(), "plait": plait_row, "sequential": seq_row,
-              "speedup": plait_row["programs_per_s"] / seq_row["programs_per_s"]}
+    result = {
+        "config": vars(args),
+        "load_avg": os.getloadavg(),
+        "plait": plait_row,
+        "sequential": seq_row,
+        "speedup": plait_row["programs_per_s"] / seq_row["programs_per_s"],
+    }
     print_table(result)
     if args.json:
         with open(args.json, "w") as f:

@@ -13,6 +13,7 @@ For each configuration (float32 is the reference; bfloat16, int8 and int4 by def
     plait bench quality --configs float32 float32/kv-bfloat16   # a bfloat16 KV cache under float32
     PLAIT_INT8_KERNEL=int8pack plait bench quality    # another CPU int8 kernel (runtime/layers/quantization.py)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,38 +51,62 @@ def parse_config(name: str) -> dict:
     dtype, plus, weights = base.partition("+")
     if not plus:
         dtype, weights = ("float32", base) if base in ("int8", "int4", "fp8") else (base, None)
-    if dtype in ("float32", "bfloat16") and weights in (None, "int8", "int4", "fp8") and \
-            (not slash or kv in ("float32", "bfloat16", "fp8_e4m3", "fp8_e5m2")):
+    if (
+        dtype in ("float32", "bfloat16")
+        and weights in (None, "int8", "int4", "fp8")
+        and (not slash or kv in ("float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"))
+    ):
         out = {"dtype": dtype} if weights is None else {"dtype": dtype, "quantization": weights}
         return {**out, "kv_cache_dtype": kv} if slash else out
-    raise ValueError(f"unknown configuration {name!r}: float32, bfloat16, int8, int4, fp8 "
-                     "or DTYPE+WEIGHTS (e.g. bfloat16+int4), optionally /kv-bfloat16, /kv-float32, /kv-fp8_e4m3 "
-                     "or /kv-fp8_e5m2")
+    raise ValueError(
+        f"unknown configuration {name!r}: float32, bfloat16, int8, int4, fp8 "
+        "or DTYPE+WEIGHTS (e.g. bfloat16+int4), optionally /kv-bfloat16, /kv-float32, /kv-fp8_e4m3 "
+        "or /kv-fp8_e5m2"
+    )
 
 
-def run_config(model: str, config: str, prompt_ids: list[list[int]], text_ids: list[int], gen_len: int,
-               threads: int | None, reference: list[list[int]] | None = None) -> dict:
+def run_config(
+    model: str,
+    config: str,
+    prompt_ids: list[list[int]],
+    text_ids: list[int],
+    gen_len: int,
+    threads: int | None,
+    reference: list[list[int]] | None = None,
+) -> dict:
     """Perplexity, greedy outputs and (given float32's outputs) teacher-forced top-1 ids for one config."""
     import plait
+
     out: dict = {"config": config}
     t = time.perf_counter()
     with plait.Engine(model=model, num_threads=threads, max_total_tokens=16384, **parse_config(config)) as eng:
-        res = eng.generate(input_ids=text_ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
-                           return_logprob=True, logprob_start_len=0)
+        res = eng.generate(
+            input_ids=text_ids,
+            sampling_params={"max_new_tokens": 1, "temperature": 0},
+            return_logprob=True,
+            logprob_start_len=0,
+        )
         lps = [lp for lp, _, _ in res["meta_info"]["input_token_logprobs"][1:]]
         out["perplexity"] = math.exp(-sum(lps) / len(lps))
         eng.flush_cache()
-        outs = eng.generate(input_ids=prompt_ids, sampling_params=[
-            {"temperature": 0, "max_new_tokens": gen_len, "ignore_eos": True}] * len(prompt_ids))
+        outs = eng.generate(
+            input_ids=prompt_ids,
+            sampling_params=[{"temperature": 0, "max_new_tokens": gen_len, "ignore_eos": True}] * len(prompt_ids),
+        )
         out["greedy"] = [o["output_ids"] for o in outs]
         if reference is not None:
             eng.flush_cache()
-            fed = eng.generate(input_ids=[p + r for p, r in zip(prompt_ids, reference)],
-                               sampling_params=[{"max_new_tokens": 1, "temperature": 0}] * len(prompt_ids),
-                               return_logprob=True, logprob_start_len=1, top_logprobs_num=1)
+            fed = eng.generate(
+                input_ids=[p + r for p, r in zip(prompt_ids, reference)],
+                sampling_params=[{"max_new_tokens": 1, "temperature": 0}] * len(prompt_ids),
+                return_logprob=True,
+                logprob_start_len=1,
+                top_logprobs_num=1,
+            )
             # The last len(r) input positions predict the reference continuation r.
-            out["teacher_forced"] = [[row[0][1] for row in f["meta_info"]["input_top_logprobs"][-len(r):]]
-                                     for f, r in zip(fed, reference)]
+            out["teacher_forced"] = [
+                [row[0][1] for row in f["meta_info"]["input_top_logprobs"][-len(r) :]] for f, r in zip(fed, reference)
+            ]
     out["seconds"] = time.perf_counter() - t
     return out
 
@@ -97,36 +122,59 @@ def agreement(got: list[list[int]], ref: list[list[int]]) -> tuple[float, float]
     return prefix / len(ref), same / total
 
 
-def evaluate(model: str = "smollm2", configs: tuple[str, ...] = DEFAULT_CONFIGS, num_prompts: int = 8,
-             gen_len: int = 64, threads: int | None = None) -> dict:
+def evaluate(
+    model: str = "smollm2",
+    configs: tuple[str, ...] = DEFAULT_CONFIGS,
+    num_prompts: int = 8,
+    gen_len: int = 64,
+    threads: int | None = None,
+) -> dict:
     """Run every configuration against float32; returns per-config metrics."""
     from plait.benchmarks.offline import make_prompts
     from plait.runtime.model_executor.model_loader import load_tokenizer, resolve_model
+
     tok = load_tokenizer(resolve_model(model))
     prompt_ids = [tok.encode(p, add_special_tokens=False) for p in make_prompts(tok, num_prompts)]
     text_ids = tok.encode(TEXT, add_special_tokens=False)
     ref = run_config(model, "float32", prompt_ids, text_ids, gen_len, threads)
-    results = {"float32": {"perplexity": ref["perplexity"], "perplexity_delta": 0.0, "greedy_prefix_agreement": 1.0,
-                           "greedy_token_agreement": 1.0, "teacher_forced_agreement": 1.0,
-                           "seconds": ref["seconds"]}}
+    results = {
+        "float32": {
+            "perplexity": ref["perplexity"],
+            "perplexity_delta": 0.0,
+            "greedy_prefix_agreement": 1.0,
+            "greedy_token_agreement": 1.0,
+            "teacher_forced_agreement": 1.0,
+            "seconds": ref["seconds"],
+        }
+    }
     for config in configs:
         if config == "float32":
             continue
         r = run_config(model, config, prompt_ids, text_ids, gen_len, threads, reference=ref["greedy"])
         prefix, tokens = agreement(r["greedy"], ref["greedy"])
         _, forced = agreement(r["teacher_forced"], ref["greedy"])
-        results[config] = {"perplexity": r["perplexity"], "perplexity_delta": r["perplexity"] - ref["perplexity"],
-                           "greedy_prefix_agreement": prefix, "greedy_token_agreement": tokens,
-                           "teacher_forced_agreement": forced, "seconds": r["seconds"]}
+        results[config] = {
+            "perplexity": r["perplexity"],
+            "perplexity_delta": r["perplexity"] - ref["perplexity"],
+            "greedy_prefix_agreement": prefix,
+            "greedy_token_agreement": tokens,
+            "teacher_forced_agreement": forced,
+            "seconds": r["seconds"],
+        }
     return results
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="plait bench quality", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="plait bench quality", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS),
-                    help="float32 (the reference, always run), bfloat16, int8, int4, fp8, bfloat16+int4, ...")
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        default=list(DEFAULT_CONFIGS),
+        help="float32 (the reference, always run), bfloat16, int8, int4, fp8, bfloat16+int4, ...",
+    )
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--gen-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
@@ -136,13 +184,17 @@ def main(argv: list[str] | None = None) -> dict:
         parse_config(c)
     results = evaluate(args.model, tuple(args.configs), args.num_prompts, args.gen_len, args.threads)
     kernel = os.environ.get("PLAIT_INT8_KERNEL", "default")
-    print(f"\nmodel {args.model}: {args.num_prompts} prompts x {args.gen_len} greedy tokens, perplexity on "
-          f"{len(TEXT)} chars of fixed text; int8 kernel {kernel}  (load avg {os.getloadavg()[0]:.2f})")
+    print(
+        f"\nmodel {args.model}: {args.num_prompts} prompts x {args.gen_len} greedy tokens, perplexity on "
+        f"{len(TEXT)} chars of fixed text; int8 kernel {kernel}  (load avg {os.getloadavg()[0]:.2f})"
+    )
     w = max(10, *(len(name) + 2 for name in results))
     print(f"{'config':{w}}{'ppl':>9}{'ppl delta':>11}{'greedy prefix':>15}{'greedy tokens':>15}{'teacher-forced':>16}")
     for name, r in results.items():
-        print(f"{name:{w}}{r['perplexity']:9.3f}{r['perplexity_delta']:+11.3f}{r['greedy_prefix_agreement']:15.1%}"
-              f"{r['greedy_token_agreement']:15.1%}{r['teacher_forced_agreement']:16.1%}")
+        print(
+            f"{name:{w}}{r['perplexity']:9.3f}{r['perplexity_delta']:+11.3f}{r['greedy_prefix_agreement']:15.1%}"
+            f"{r['greedy_token_agreement']:15.1%}{r['teacher_forced_agreement']:16.1%}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "int8_kernel": kernel, "results": results}, f, indent=2)

@@ -9,6 +9,7 @@ the KV cache and the per-step overhead are left out, so real rates sit below the
 
 Other benchmarks call `roofline(...)` and print their rates as a fraction of it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,14 +19,14 @@ import time
 
 from plait.runtime.server_args import set_openmp_defaults
 
-set_openmp_defaults()   # matmuls timed as the scheduler process runs them
+set_openmp_defaults()  # matmuls timed as the scheduler process runs them
 
 MATMUL_MS = (1, 32, 64, 1024)
 _cache: dict = {}
 
 
 def _best_seconds(fn, reps: int) -> float:
-    fn()   # warm-up
+    fn()  # warm-up
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
@@ -40,6 +41,7 @@ def _huge_page_floats(n: int):
     import torch
 
     from plait.runtime.model_executor.weight_arena import huge_page_buffer
+
     raw = huge_page_buffer(n * 4)
     return None if raw is None else raw.view(torch.float32).fill_(1.0)
 
@@ -55,6 +57,7 @@ def measure_bandwidth(size_mb: int = 512, reps: int = 5) -> dict:
     hardware prefetchers stop at page boundaries, so huge pages read faster (34 vs 42 GB/s on the
     AVX2 machine). `read_gbs` / `copy_gbs`: the faster of the two, the machine's limit."""
     import torch
+
     n = size_mb * 2**20 // 4
     out = {}
     for pages, src in (("4k", torch.ones(n)), ("huge", _huge_page_floats(n))):
@@ -79,6 +82,7 @@ class BandwidthProbe:
 
     def __init__(self, size_mb: int = 256):
         import torch
+
         n = size_mb * 2**20 // 4
         buf = _huge_page_floats(n)
         self.buf = buf if buf is not None else torch.ones(n)
@@ -95,7 +99,8 @@ def measure_matmul(kind: str, m: int, n: int = 2048, k: int = 2048, reps: int = 
     from plait.runtime.kernels.cpu import cpu_kernels
     from plait.runtime.layers.prepack import PackedLinear, prepack_available
     from plait.runtime.layers.quantization import Int4Linear, Int8Linear
-    cpu_kernels.load()   # as a model's load does: the layers below take the fused kernels where they run
+
+    cpu_kernels.load()  # as a model's load does: the layers below take the fused kernels where they run
     w = torch.randn(n, k) * 0.02
     if kind in ("int8", "int4"):
         layer, x = (Int8Linear if kind == "int8" else Int4Linear)(w, None), torch.randn(m, k)
@@ -113,6 +118,7 @@ def measure_matmul(kind: str, m: int, n: int = 2048, k: int = 2048, reps: int = 
 def _cache_key(threads: int | None, quick: bool) -> tuple[int, bool]:
     """Sets the thread count (when given); the key of `_cache` for it."""
     import torch
+
     if threads:
         torch.set_num_threads(threads)
     return torch.get_num_threads(), quick
@@ -157,8 +163,8 @@ def model_costs(config, kind: str) -> dict:
     params = layers * per_layer + config.vocab_size * h
     rows = layers * ((heads + 2 * kv_heads) * head_dim + h + 2 * inter + h) + config.vocab_size
     bytes_per = {"float32": 4, "bfloat16": 2, "int8": 1}.get(kind, 1)
-    weight_bytes = params * bytes_per + (rows * 4 if kind == "int8" else 0)   # + one float scale per row
-    if kind == "int4":   # 4 bits + a bf16 (scale, zero) per 32 weights; the LM head stays int8
+    weight_bytes = params * bytes_per + (rows * 4 if kind == "int8" else 0)  # + one float scale per row
+    if kind == "int4":  # 4 bits + a bf16 (scale, zero) per 32 weights; the LM head stays int8
         head = config.vocab_size * h
         weight_bytes = int((params - head) * (0.5 + 4 / 32)) + head + config.vocab_size * 4
     return {"linear_params": params, "bytes_per_token": weight_bytes, "flops_per_token": 2 * params}
@@ -180,23 +186,36 @@ def _kind(model_path: str, dtype: str, quantization: str | None) -> str:
 
         from plait.runtime.model_executor.model_loader import load_config
         from plait.runtime.model_executor.model_runner import resolve_dtype
+
         return str(resolve_dtype("auto", load_config(model_path), torch.device("cpu"))).removeprefix("torch.")
     return dtype
 
 
-def roofline(model: str = "smollm2", dtype: str = "float32", quantization: str | None = None,
-             threads: int | None = None, quick: bool = False) -> dict:
+def roofline(
+    model: str = "smollm2",
+    dtype: str = "float32",
+    quantization: str | None = None,
+    threads: int | None = None,
+    quick: bool = False,
+) -> dict:
     """Decode ceilings for `model` on this machine: `batch1_tok_s` (bandwidth-bound) and
     `large_batch_tok_s` (compute-bound, at the best measured matmul throughput)."""
     from plait.runtime.model_executor.model_loader import load_config, resolve_model
+
     path = resolve_model(model)
     kind = _kind(path, dtype, quantization)
     machine = measure_machine(threads, quick)
     costs = model_costs(load_config(path), kind)
     peak = max(machine["matmul_gflops"][kind].values())
-    return {"model": model, "kind": kind, "machine": machine, **costs, "peak_gflops": peak,
-            "batch1_tok_s": machine["read_gbs"] * 1e9 / costs["bytes_per_token"],
-            "large_batch_tok_s": peak * 1e9 / costs["flops_per_token"]}
+    return {
+        "model": model,
+        "kind": kind,
+        "machine": machine,
+        **costs,
+        "peak_gflops": peak,
+        "batch1_tok_s": machine["read_gbs"] * 1e9 / costs["bytes_per_token"],
+        "large_batch_tok_s": peak * 1e9 / costs["flops_per_token"],
+    }
 
 
 def fraction_line(label: str, tok_s: float, limit: float) -> str:
@@ -205,8 +224,9 @@ def fraction_line(label: str, tok_s: float, limit: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="plait bench roofline", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="plait bench roofline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--quantization", default=None, choices=["int8", "int4"])
@@ -217,15 +237,19 @@ def main(argv: list[str] | None = None) -> dict:
     r = roofline(args.model, args.dtype, args.quantization, args.threads, args.quick)
     m = r["machine"]
     print(f"\nthreads {m['threads']}  (load avg {os.getloadavg()[0]:.2f})")
-    print(f"memory bandwidth: read {m['read_gbs']:.1f} GB/s, copy {m['copy_gbs']:.1f} GB/s "
-          f"(4 KB pages: {m['read_gbs_4k']:.1f} / {m['copy_gbs_4k']:.1f}"
-          + (f"; 2 MB pages: {m['read_gbs_huge']:.1f} / {m['copy_gbs_huge']:.1f})" if "read_gbs_huge" in m else ")"))
+    print(
+        f"memory bandwidth: read {m['read_gbs']:.1f} GB/s, copy {m['copy_gbs']:.1f} GB/s "
+        f"(4 KB pages: {m['read_gbs_4k']:.1f} / {m['copy_gbs_4k']:.1f}"
+        + (f"; 2 MB pages: {m['read_gbs_huge']:.1f} / {m['copy_gbs_huge']:.1f})" if "read_gbs_huge" in m else ")")
+    )
     ms = sorted(next(iter(m["matmul_gflops"].values())))
     print("matmul GFLOP/s  " + "".join(f"{'M=' + str(x):>10}" for x in ms))
     for kind, row in m["matmul_gflops"].items():
         print(f"{kind:16}" + "".join(f"{row[x]:10.1f}" for x in ms))
-    print(f"\nmodel {r['model']} as {r['kind']}: {r['linear_params'] / 1e6:.1f}M linear params, "
-          f"{r['bytes_per_token'] / 2**20:.1f} MiB read and {r['flops_per_token'] / 1e9:.2f} GFLOP per token")
+    print(
+        f"\nmodel {r['model']} as {r['kind']}: {r['linear_params'] / 1e6:.1f}M linear params, "
+        f"{r['bytes_per_token'] / 2**20:.1f} MiB read and {r['flops_per_token'] / 1e9:.2f} GFLOP per token"
+    )
     print(f"batch-1 decode ceiling (bandwidth): {r['batch1_tok_s']:8.1f} tok/s")
     print(f"large-batch decode ceiling (compute, {r['peak_gflops']:.0f} GFLOP/s): {r['large_batch_tok_s']:8.1f} tok/s")
     if args.json:

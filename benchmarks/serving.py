@@ -14,6 +14,7 @@ words; requests carry `ignore_eos` so every request generates exactly its output
 `plait.Engine.async_generate(stream=True)` with the same engine arguments (after the launched
 server has stopped, so the two never share the CPU) and prints the HTTP overhead.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,9 +34,18 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # CLI option -> ServerArgs field, passed to `plait serve` and to `plait.Engine`.
-ENGINE_OPTIONS = ("dtype", "device", "context_length", "max_total_tokens", "chunked_prefill_size",
-                  "max_running_requests", "schedule_policy", "disable_radix_cache", "num_threads",
-                  "random_seed")
+ENGINE_OPTIONS = (
+    "dtype",
+    "device",
+    "context_length",
+    "max_total_tokens",
+    "chunked_prefill_size",
+    "max_running_requests",
+    "schedule_policy",
+    "disable_radix_cache",
+    "num_threads",
+    "random_seed",
+)
 
 
 # --- workload -----------------------------------------------------------------------------------
@@ -92,7 +102,7 @@ class Output:
     output_len: int = 0
     ttft: float = 0.0
     latency: float = 0.0
-    itl: list[float] = field(default_factory=list)   # one gap per generated token after the first
+    itl: list[float] = field(default_factory=list)  # one gap per generated token after the first
     start: float = 0.0
     finish: dict | None = None
     _last_t: float = 0.0
@@ -153,30 +163,39 @@ async def send_http(client, prompt: Prompt) -> Output:
                     return out
                 out.observe(event)
         out.close()
-    except Exception as e:   # connection refused / reset, timeouts, bad JSON
+    except Exception as e:  # connection refused / reset, timeouts, bad JSON
         out.error = f"{type(e).__name__}: {e}"
     return out
 
 
 def engine_sender(engine) -> Callable[[Prompt], Awaitable[Output]]:
     """The same request through an in-process plait.Engine (`async_generate(stream=True)`)."""
+
     async def send(prompt: Prompt) -> Output:
         out = Output(prompt_len=len(prompt.input_ids), start=time.perf_counter())
         try:
-            it = await engine.async_generate(input_ids=prompt.input_ids, sampling_params=sampling_params(prompt),
-                                             stream=True)
+            it = await engine.async_generate(
+                input_ids=prompt.input_ids, sampling_params=sampling_params(prompt), stream=True
+            )
             async for event in it:
                 out.observe(event)
             out.close()
         except Exception as e:
             out.error = f"{type(e).__name__}: {e}"
         return out
+
     return send
 
 
 # --- load generation --------------------------------------------------------------------------
-async def run_load(send: Callable[[Prompt], Awaitable[Output]], prompts: list[Prompt], request_rate: float,
-                   max_concurrency: int | None, seed: int, progress: bool = True) -> tuple[list[Output], float]:
+async def run_load(
+    send: Callable[[Prompt], Awaitable[Output]],
+    prompts: list[Prompt],
+    request_rate: float,
+    max_concurrency: int | None,
+    seed: int,
+    progress: bool = True,
+) -> tuple[list[Output], float]:
     """Send every prompt (Poisson arrivals at `request_rate` per second, inf = all at once), at most
     `max_concurrency` in flight. Returns the outputs in prompt order and the wall time."""
     rng = random.Random(seed)
@@ -210,6 +229,7 @@ async def run_load(send: Callable[[Prompt], Awaitable[Output]], prompts: list[Pr
 
 def _stats(values: list[float], scale: float = 1000.0) -> dict[str, float]:
     import numpy as np
+
     if not values:
         return {"mean": 0.0, "median": 0.0, "p99": 0.0}
     a = np.asarray(values) * scale
@@ -224,12 +244,19 @@ def summarize(outputs: list[Output], duration: float) -> dict[str, Any]:
     tpot = [(o.latency - o.ttft) / (o.output_len - 1) for o in ok if o.output_len > 1]
     errors = sorted({o.error for o in outputs if not o.success})
     return {
-        "duration_s": duration, "completed": len(ok), "failed": len(outputs) - len(ok),
-        "total_input_tokens": inp, "total_output_tokens": outp,
-        "request_throughput": len(ok) / duration, "input_throughput": inp / duration,
-        "output_throughput": outp / duration, "total_throughput": (inp + outp) / duration,
-        "ttft_ms": _stats([o.ttft for o in ok]), "itl_ms": _stats([x for o in ok for x in o.itl]),
-        "tpot_ms": _stats(tpot), "e2e_latency_ms": _stats([o.latency for o in ok]),
+        "duration_s": duration,
+        "completed": len(ok),
+        "failed": len(outputs) - len(ok),
+        "total_input_tokens": inp,
+        "total_output_tokens": outp,
+        "request_throughput": len(ok) / duration,
+        "input_throughput": inp / duration,
+        "output_throughput": outp / duration,
+        "total_throughput": (inp + outp) / duration,
+        "ttft_ms": _stats([o.ttft for o in ok]),
+        "itl_ms": _stats([x for o in ok for x in o.itl]),
+        "tpot_ms": _stats(tpot),
+        "e2e_latency_ms": _stats([o.latency for o in ok]),
         "errors": errors[:5],
     }
 
@@ -262,9 +289,15 @@ def launch_server(kw: dict[str, Any], port: int, timeout: float) -> Any:
     import tempfile
 
     import httpx
+
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(serve_command(kw, port), stdout=log, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+        proc = subprocess.Popen(
+            serve_command(kw, port),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
+        )
         base = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + timeout
@@ -289,20 +322,24 @@ def launch_server(kw: dict[str, Any], port: int, timeout: float) -> Any:
                     proc.wait()
 
 
-async def bench_http(base_url: str, prompts: list[Prompt], args: argparse.Namespace,
-                     headers: dict[str, str]) -> dict[str, Any]:
+async def bench_http(
+    base_url: str, prompts: list[Prompt], args: argparse.Namespace, headers: dict[str, str]
+) -> dict[str, Any]:
     import httpx
+
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(None, connect=30), limits=limits,
-                                 headers=headers) as client:
-        for p in prompts[:args.warmup_requests]:   # warm-up: short, then the cache is emptied
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=httpx.Timeout(None, connect=30), limits=limits, headers=headers
+    ) as client:
+        for p in prompts[: args.warmup_requests]:  # warm-up: short, then the cache is emptied
             await send_http(client, Prompt(p.input_ids, min(p.output_len, 4)))
         if not args.no_flush_cache:
             r = await client.post("/flush_cache")
             if r.status_code != 200:
                 print(f"warning: /flush_cache answered {r.status_code}", file=sys.stderr)
-        outputs, duration = await run_load(lambda p: send_http(client, p), prompts, args.request_rate,
-                                           args.max_concurrency, args.seed)
+        outputs, duration = await run_load(
+            lambda p: send_http(client, p), prompts, args.request_rate, args.max_concurrency, args.seed
+        )
     return summarize(outputs, duration)
 
 
@@ -311,7 +348,7 @@ def bench_engine(kw: dict[str, Any], prompts: list[Prompt], args: argparse.Names
 
     async def go(engine) -> dict[str, Any]:
         send = engine_sender(engine)
-        for p in prompts[:args.warmup_requests]:
+        for p in prompts[: args.warmup_requests]:
             await send(Prompt(p.input_ids, min(p.output_len, 4)))
         if not args.no_flush_cache:
             engine.flush_cache()
@@ -328,6 +365,7 @@ def _server_engine_args(base_url: str, headers: dict[str, str]) -> dict[str, Any
     import httpx
 
     from plait.runtime.server_args import ServerArgs
+
     info = httpx.get(base_url + "/get_server_info", headers=headers, timeout=30).json()
     sa = info.get("server_args") or {}
     fields = set(ServerArgs.__dataclass_fields__) - {"log_level"}
@@ -339,20 +377,25 @@ def print_table(title: str, m: dict[str, Any]) -> None:
     """SGLang bench_serving-style result table."""
     w = 56
     rows: list[tuple[str, Any]] = [
-        ("Successful requests:", m["completed"]), ("Failed requests:", m["failed"]),
+        ("Successful requests:", m["completed"]),
+        ("Failed requests:", m["failed"]),
         ("Benchmark duration (s):", f"{m['duration_s']:.2f}"),
-        ("Total input tokens:", m["total_input_tokens"]), ("Total generated tokens:", m["total_output_tokens"]),
+        ("Total input tokens:", m["total_input_tokens"]),
+        ("Total generated tokens:", m["total_output_tokens"]),
         ("Request throughput (req/s):", f"{m['request_throughput']:.2f}"),
         ("Input token throughput (tok/s):", f"{m['input_throughput']:.2f}"),
         ("Output token throughput (tok/s):", f"{m['output_throughput']:.2f}"),
-        ("Total token throughput (tok/s):", f"{m['total_throughput']:.2f}")]
+        ("Total token throughput (tok/s):", f"{m['total_throughput']:.2f}"),
+    ]
     print(f"\n{(' ' + title + ' ').center(w, '=')}")
     for name, value in rows:
         print(f"{name:<{w - 14}}{value!s:>14}")
-    for section, key, short in (("End-to-End Latency", "e2e_latency_ms", "E2E Latency"),
-                                ("Time to First Token", "ttft_ms", "TTFT"),
-                                ("Inter-Token Latency", "itl_ms", "ITL"),
-                                ("Time per Output Token (excl. 1st token)", "tpot_ms", "TPOT")):
+    for section, key, short in (
+        ("End-to-End Latency", "e2e_latency_ms", "E2E Latency"),
+        ("Time to First Token", "ttft_ms", "TTFT"),
+        ("Inter-Token Latency", "itl_ms", "ITL"),
+        ("Time per Output Token (excl. 1st token)", "tpot_ms", "TPOT"),
+    ):
         print(f" {section} ".center(w, "-"))
         for stat, label in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
             print(f"{label + ' ' + short + ' (ms):':<{w - 14}}{m[key][stat]:>14.2f}")
@@ -365,10 +408,13 @@ def print_comparison(server: dict[str, Any], engine: dict[str, Any]) -> dict[str
     """Server vs in-process engine; overhead = how much lower the server's output throughput is."""
     overhead = 100 * (1 - server["output_throughput"] / engine["output_throughput"])
     print(f"\n{'':34}{'server':>10}{'engine':>10}")
-    for label, key, sub in (("output throughput (tok/s)", "output_throughput", None),
-                            ("request throughput (req/s)", "request_throughput", None),
-                            ("mean TTFT (ms)", "ttft_ms", "mean"), ("mean ITL (ms)", "itl_ms", "mean"),
-                            ("mean E2E latency (ms)", "e2e_latency_ms", "mean")):
+    for label, key, sub in (
+        ("output throughput (tok/s)", "output_throughput", None),
+        ("request throughput (req/s)", "request_throughput", None),
+        ("mean TTFT (ms)", "ttft_ms", "mean"),
+        ("mean ITL (ms)", "itl_ms", "mean"),
+        ("mean E2E latency (ms)", "e2e_latency_ms", "mean"),
+    ):
         s, e = (server[key], engine[key]) if sub is None else (server[key][sub], engine[key][sub])
         print(f"{label:34}{s:10.2f}{e:10.2f}")
     print(f"HTTP server overhead on output throughput: {overhead:.1f}%")
@@ -377,15 +423,22 @@ def print_comparison(server: dict[str, Any], engine: dict[str, Any]) -> dict[str
 
 # --- main ---------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="plait bench serving", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="plait bench serving", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     where = ap.add_mutually_exclusive_group()
     where.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:30000")
-    where.add_argument("--launch", action="store_true", help="start `plait serve` for the run (the default "
-                       "when --base-url is not given)")
+    where.add_argument(
+        "--launch",
+        action="store_true",
+        help="start `plait serve` for the run (the default when --base-url is not given)",
+    )
     ap.add_argument("--api-key", default=None)
-    ap.add_argument("--model", default=None, help="model to launch (default smollm2); with --base-url the "
-                    "server's model, used for the tokenizer")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="model to launch (default smollm2); with --base-url the server's model, used for the tokenizer",
+    )
     ap.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--device", default=None)
     ap.add_argument("--context-length", type=int, default=None)
@@ -400,16 +453,24 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--random-range-ratio", type=float, default=1.0,
-                    help="lengths are uniform in [len * ratio, len]; 1.0 = exact")
-    ap.add_argument("--request-rate", type=float, default=math.inf,
-                    help="requests per second, Poisson arrivals; inf (default) sends all at once")
+    ap.add_argument(
+        "--random-range-ratio", type=float, default=1.0, help="lengths are uniform in [len * ratio, len]; 1.0 = exact"
+    )
+    ap.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests per second, Poisson arrivals; inf (default) sends all at once",
+    )
     ap.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     ap.add_argument("--warmup-requests", type=int, default=1)
     ap.add_argument("--no-flush-cache", action="store_true", help="keep the prefix cache after warm-up")
     ap.add_argument("--seed", type=int, default=1, help="workload seed (prompts and arrivals)")
-    ap.add_argument("--compare-engine", action="store_true",
-                    help="also run the load through plait.Engine in-process and print the overhead")
+    ap.add_argument(
+        "--compare-engine",
+        action="store_true",
+        help="also run the load through plait.Engine in-process and print the overhead",
+    )
     ap.add_argument("--json", help="write the results here")
     return ap
 
@@ -427,6 +488,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except ImportError:
         raise SystemExit("plait bench serving needs httpx: pip install httpx (or the project's [test] extra)")
     from plait.runtime.model_executor.model_loader import load_tokenizer, resolve_model
+
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     launch = args.base_url is None
     if launch:
@@ -435,17 +497,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         args.base_url = args.base_url.rstrip("/")
         kw = _server_engine_args(args.base_url, headers)
-        args.model = args.model or kw.get("model") or \
-            httpx.get(args.base_url + "/get_model_info", headers=headers, timeout=30).json()["model_path"]
+        args.model = (
+            args.model
+            or kw.get("model")
+            or httpx.get(args.base_url + "/get_model_info", headers=headers, timeout=30).json()["model_path"]
+        )
         kw["model"] = args.model
     tokenizer = load_tokenizer(resolve_model(args.model))
-    prompts = make_prompts(tokenizer, args.num_prompts, args.input_len, args.output_len,
-                           args.random_range_ratio, args.seed)
+    prompts = make_prompts(
+        tokenizer, args.num_prompts, args.input_len, args.output_len, args.random_range_ratio, args.seed
+    )
     config = {k: (v if not isinstance(v, float) or math.isfinite(v) else "inf") for k, v in vars(args).items()}
     result: dict[str, Any] = {"config": config, "engine_args": dict(kw), "load_avg_before": os.getloadavg()}
-    print(f"model {args.model}  {args.num_prompts} prompts, input {args.input_len}, output {args.output_len}, "
-          f"range ratio {args.random_range_ratio}, request rate {args.request_rate}, "
-          f"max concurrency {args.max_concurrency}  (load avg {result['load_avg_before'][0]:.2f})", flush=True)
+    print(
+        f"model {args.model}  {args.num_prompts} prompts, input {args.input_len}, output {args.output_len}, "
+        f"range ratio {args.random_range_ratio}, request rate {args.request_rate}, "
+        f"max concurrency {args.max_concurrency}  (load avg {result['load_avg_before'][0]:.2f})",
+        flush=True,
+    )
 
     if launch:
         with launch_server(kw, _free_port(), args.launch_timeout) as base:

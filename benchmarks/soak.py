@@ -14,6 +14,7 @@ detokenizer) is sampled. At the end the server must go idle with every KV slot f
 failed with an explicit error: `lost` (no answer, a cut stream, a transport error we did not
 cause) must be 0. Prints the RSS curve and the counts; exits 1 if anything leaked or was lost.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,17 +40,23 @@ PREFIXES = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle. It begins: ",
     "List facts about the solar system, one per line, starting with the planets: ",
 ]
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
-                                           "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
-                                                    "maxItems": 3}},
-          "required": ["name", "age"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 @dataclass
 class Tally:
     """Outcome counts per kind: sent, answered (complete), error (explicit error answer),
     aborted (we disconnected on purpose), lost (anything else)."""
+
     counts: dict[str, collections.Counter] = field(default_factory=lambda: collections.defaultdict(collections.Counter))
     lost_examples: list[str] = field(default_factory=list)
 
@@ -63,8 +70,11 @@ class Tally:
 
 
 def _prompt(rng: random.Random) -> str:
-    return rng.choice(PREFIXES) + f"item {rng.randrange(1000)}: " + " ".join(
-        rng.choice(("alpha", "beta", "gamma", "delta", "omega")) for _ in range(rng.randrange(1, 12)))
+    return (
+        rng.choice(PREFIXES)
+        + f"item {rng.randrange(1000)}: "
+        + " ".join(rng.choice(("alpha", "beta", "gamma", "delta", "omega")) for _ in range(rng.randrange(1, 12)))
+    )
 
 
 def _sse(lines: list[str]) -> list:
@@ -89,8 +99,10 @@ async def _one(client: httpx.AsyncClient, kind: str, rng: random.Random, tally: 
         if kind in ("plain", "fork", "abort_plain"):
             body = {"text": prompt, "sampling_params": {**sp, "n": rng.randrange(1, 4)}}
             if kind == "fork":
-                body = {"text": [prompt + s for s in (" First,", " Second,", " Third,")],
-                        "sampling_params": {**sp, "n": 2}}
+                body = {
+                    "text": [prompt + s for s in (" First,", " Second,", " Third,")],
+                    "sampling_params": {**sp, "n": 2},
+                }
             timeout = rng.uniform(0.05, 0.5) if kind == "abort_plain" else 300
             try:
                 r = await client.post("/generate", json=body, timeout=timeout)
@@ -102,20 +114,30 @@ async def _one(client: httpx.AsyncClient, kind: str, rng: random.Random, tally: 
             tally.add(kind, "answered" if r.status_code == 200 else "error")
             return
         if kind == "json":
-            body = {"messages": [{"role": "user", "content": prompt + " Reply in JSON."}], "max_tokens": 60,
-                    "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}}
+            body = {
+                "messages": [{"role": "user", "content": prompt + " Reply in JSON."}],
+                "max_tokens": 60,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}},
+            }
             r = await client.post("/v1/chat/completions", json=body, timeout=300)
             if r.status_code != 200:
                 tally.add(kind, "error")
                 return
             choice = r.json()["choices"][0]
             if choice["finish_reason"] == "stop":
-                json.loads(choice["message"]["content"])   # a complete answer is valid JSON
+                json.loads(choice["message"]["content"])  # a complete answer is valid JSON
             tally.add(kind, "answered")
             return
         if kind == "chat_stream":
-            path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}], "stream": True,
-                                                   "max_tokens": sp["max_new_tokens"], "n": rng.randrange(1, 3)}
+            path, body = (
+                "/v1/chat/completions",
+                {
+                    "messages": [{"role": "user", "content": prompt}],
+                    "stream": True,
+                    "max_tokens": sp["max_new_tokens"],
+                    "n": rng.randrange(1, 3),
+                },
+            )
         else:
             path, body = "/generate", {"text": prompt, "sampling_params": sp, "stream": True}
         stop_after = rng.randrange(1, 6) if kind == "abort_stream" else None
@@ -128,7 +150,7 @@ async def _one(client: httpx.AsyncClient, kind: str, rng: random.Random, tally: 
             async for line in r.aiter_lines():
                 lines.append(line)
                 if stop_after is not None and sum(ln.startswith("data: ") for ln in lines) >= stop_after:
-                    break   # leaving the block closes the connection: the server must abort
+                    break  # leaving the block closes the connection: the server must abort
         if stop_after is not None and (not lines or lines[-1] != "data: [DONE]"):
             tally.add(kind, "aborted")
             return
@@ -172,8 +194,9 @@ def _sample(pid: int, names: dict[int, str]) -> dict[str, float]:
     return sample
 
 
-async def _sampler(base: str, pid: int, every: float, out: list[tuple[float, dict[str, float]]],
-                   stop: asyncio.Event) -> None:
+async def _sampler(
+    base: str, pid: int, every: float, out: list[tuple[float, dict[str, float]]], stop: asyncio.Event
+) -> None:
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         info = (await client.get("/get_server_info")).json()
     names = {info[k]: k.removesuffix("_pid") for k in ("scheduler_pid", "detokenizer_pid") if k in info}
@@ -196,8 +219,20 @@ def _free_port() -> int:
 def _server(args: argparse.Namespace):
     """`plait serve` on a free loopback port; yields (base url, pid)."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "plait.cli", "serve", "--model", args.model, "--port", str(port),
-           "--log-level", "warning", "--max-total-tokens", str(args.max_total_tokens)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "plait.cli",
+        "serve",
+        "--model",
+        args.model,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--max-total-tokens",
+        str(args.max_total_tokens),
+    ]
     proc = subprocess.Popen(cmd, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, stdout=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -239,8 +274,9 @@ async def _run(base: str, pid: int | None, args: argparse.Namespace) -> tuple[Ta
     sampler = asyncio.create_task(_sampler(base, pid, args.sample_s, samples, stop)) if pid else None
     t0 = time.monotonic()
     deadline = t0 + args.minutes * 60
-    await asyncio.gather(*(_worker(base, deadline, args.seed + i, tally, args.max_tokens)
-                           for i in range(args.concurrency)))
+    await asyncio.gather(
+        *(_worker(base, deadline, args.seed + i, tally, args.max_tokens) for i in range(args.concurrency))
+    )
     elapsed = time.monotonic() - t0
     info = await _settle(base)
     stop.set()
@@ -260,18 +296,22 @@ def _report(tally: Tally, samples: list, info: dict, elapsed: float) -> int:
         totals = [sum(s.values()) for _, s in samples]
         q = max(1, len(totals) // 4)
         early, late = sorted(totals[:q])[q // 2], sorted(totals[-q:])[q // 2]
-        half = totals[len(totals) // 2:]
-        print(f"  RSS median first quarter {early:.1f} MiB, last quarter {late:.1f} MiB, "
-              f"change {late - early:+.1f} MiB ({100 * (late - early) / max(early, 1):+.1f}%); "
-              f"second half {half[0]:.1f} -> {half[-1]:.1f} MiB ({half[-1] - half[0]:+.1f})")
+        half = totals[len(totals) // 2 :]
+        print(
+            f"  RSS median first quarter {early:.1f} MiB, last quarter {late:.1f} MiB, "
+            f"change {late - early:+.1f} MiB ({100 * (late - early) / max(early, 1):+.1f}%); "
+            f"second half {half[0]:.1f} -> {half[-1]:.1f} MiB ({half[-1] - half[0]:+.1f})"
+        )
     print("\nrequests" + "".join(f"{o:>10}" for o in ("sent", "answered", "error", "aborted", "lost")))
     for kind in KINDS:
         c = tally.counts.get(kind, collections.Counter())
         print(f"{kind:>12}" + "".join(f"{c[o]:10d}" for o in ("sent", "answered", "error", "aborted", "lost")))
     print(f"{'total':>12}" + "".join(f"{tally.total(o):10d}" for o in ("sent", "answered", "error", "aborted", "lost")))
     leaked = info.get("kv_slots_in_use")
-    print(f"\nKV slots in use after settling: {leaked} (of {info.get('max_total_num_tokens')}; "
-          f"cached {info.get('cache_size')}, free {info.get('free_slots')}), retractions: {info.get('num_retractions')}")
+    print(
+        f"\nKV slots in use after settling: {leaked} (of {info.get('max_total_num_tokens')}; "
+        f"cached {info.get('cache_size')}, free {info.get('free_slots')}), retractions: {info.get('num_retractions')}"
+    )
     for ex in tally.lost_examples:
         print("  lost:", ex)
     ok = leaked == 0 and tally.total("lost") == 0

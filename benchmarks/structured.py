@@ -18,6 +18,7 @@ grammar).
     plait bench structured --backend auto --json out.json
     plait bench structured --backend auto --backend xgrammar --limit 50 --no-throughput
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,7 +37,7 @@ from .grammar_jsonschemabench import _default_data  # noqa: E402
 from .serving import _free_port, launch_server  # noqa: E402
 
 OUTCOMES = ("valid", "invalid", "withheld", "truncated", "rejected", "error")
-SCHEMA_CHARS = 1500      # the prompt shows at most this much of the schema
+SCHEMA_CHARS = 1500  # the prompt shows at most this much of the schema
 
 
 def load_schemas(data: str, subsets: list[str] | None, limit: int | None) -> list[tuple[str, str, dict, str]]:
@@ -76,6 +77,7 @@ def classify(schema: dict, status: int, body: dict) -> tuple[str, int, str]:
         return "invalid", tokens, f"not JSON: {e}"
     try:
         import jsonschema
+
         validator = jsonschema.validators.validator_for(schema)(schema, format_checker=corpus.format_checker())
         error = jsonschema.exceptions.best_match(validator.iter_errors(doc))
     except Exception as e:  # noqa: BLE001 — a schema jsonschema itself cannot use
@@ -95,13 +97,18 @@ async def _post(client, body: dict) -> tuple[int, dict]:
 
 async def run_schemas(base: str, schemas, args) -> list[dict]:
     import httpx
+
     sem = asyncio.Semaphore(args.concurrency)
 
     async def one(client, i: int, item) -> dict:
         source, name, schema, ask = item
-        body = {"messages": [{"role": "user", "content": ask}], "temperature": args.temperature,
-                "max_tokens": args.max_tokens, "seed": args.seed + i,
-                "response_format": {"type": "json_schema", "json_schema": {"name": "doc", "schema": schema}}}
+        body = {
+            "messages": [{"role": "user", "content": ask}],
+            "temperature": args.temperature,
+            "max_tokens": args.max_tokens,
+            "seed": args.seed + i,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "doc", "schema": schema}},
+        }
         async with sem:
             status, reply = await _post(client, body)
         outcome, tokens, detail = classify(schema, status, reply)
@@ -114,6 +121,7 @@ async def run_schemas(base: str, schemas, args) -> list[dict]:
 async def throughput(base: str, schemas, concurrency: int, n: int) -> dict:
     """Output tokens/s, constrained then free with the same token counts, over n requests."""
     import httpx
+
     items = schemas[:n]
     sem = asyncio.Semaphore(concurrency)
 
@@ -121,6 +129,7 @@ async def throughput(base: str, schemas, concurrency: int, n: int) -> dict:
         async def one(b):
             async with sem:
                 return await _post(client, b)
+
         t0 = time.perf_counter()
         replies = await asyncio.gather(*(one(b) for b in bodies))
         dt = time.perf_counter() - t0
@@ -130,17 +139,27 @@ async def throughput(base: str, schemas, concurrency: int, n: int) -> dict:
         return {"messages": [{"role": "user", "content": item[3]}], "temperature": 0, **kw}
 
     async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(None, connect=30)) as client:
-        constrained = [body(it, max_tokens=256, response_format={"type": "json_schema",
-                                                                 "json_schema": {"name": "doc", "schema": it[2]}})
-                       for it in items]
-        await batch(client, constrained[:2])                       # warm: grammars compiled, caches hot
+        constrained = [
+            body(
+                it,
+                max_tokens=256,
+                response_format={"type": "json_schema", "json_schema": {"name": "doc", "schema": it[2]}},
+            )
+            for it in items
+        ]
+        await batch(client, constrained[:2])  # warm: grammars compiled, caches hot
         dt_c, toks = await batch(client, constrained)
         free = [body(it, max_tokens=max(t, 1), ignore_eos=True) for it, t in zip(items, toks)]
         dt_f, toks_f = await batch(client, free)
     rate_c, rate_f = sum(toks) / dt_c, sum(toks_f) / dt_f
-    return {"concurrency": concurrency, "requests": len(items), "tokens": sum(toks),
-            "constrained_tok_s": round(rate_c, 1), "free_tok_s": round(rate_f, 1),
-            "ratio": round(rate_c / rate_f, 3) if rate_f else None}
+    return {
+        "concurrency": concurrency,
+        "requests": len(items),
+        "tokens": sum(toks),
+        "constrained_tok_s": round(rate_c, 1),
+        "free_tok_s": round(rate_f, 1),
+        "ratio": round(rate_c / rate_f, 3) if rate_f else None,
+    }
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -152,10 +171,13 @@ def summarize(rows: list[dict]) -> dict:
         counts = {k: sum(r["outcome"] == k for r in sel) for k in OUTCOMES}
         accepted = len(sel) - counts["rejected"]
         toks = [r["tokens"] for r in sel if r["outcome"] == "valid"]
-        out[source] = {"schemas": len(sel), **counts,
-                       "valid_of_accepted": round(counts["valid"] / accepted, 4) if accepted else None,
-                       "truncated_of_accepted": round(counts["truncated"] / accepted, 4) if accepted else None,
-                       "tokens_per_valid_doc": round(statistics.mean(toks), 1) if toks else None}
+        out[source] = {
+            "schemas": len(sel),
+            **counts,
+            "valid_of_accepted": round(counts["valid"] / accepted, 4) if accepted else None,
+            "truncated_of_accepted": round(counts["truncated"] / accepted, 4) if accepted else None,
+            "tokens_per_valid_doc": round(statistics.mean(toks), 1) if toks else None,
+        }
     return out
 
 
@@ -164,14 +186,19 @@ def print_report(name: str, summary: dict, rows: list[dict], tput: list[dict]) -
     head = f"{'source':16}{'schemas':>8}" + "".join(f"{k:>10}" for k in OUTCOMES) + f"{'valid/acc':>10}{'tok/doc':>9}"
     print(head)
     for source, s in summary.items():
-        print(f"{source:16}{s['schemas']:>8}" + "".join(f"{s[k]:>10}" for k in OUTCOMES)
-              + f"{s['valid_of_accepted'] or 0:>10.3f}{s['tokens_per_valid_doc'] or 0:>9}")
+        print(
+            f"{source:16}{s['schemas']:>8}"
+            + "".join(f"{s[k]:>10}" for k in OUTCOMES)
+            + f"{s['valid_of_accepted'] or 0:>10.3f}{s['tokens_per_valid_doc'] or 0:>9}"
+        )
     for r in rows:
         if r["outcome"] in ("invalid", "withheld", "error"):
             print(f"  {r['outcome']:9} {r['source']}:{r['name']}: {r['detail']}")
     for t in tput:
-        print(f"  throughput c={t['concurrency']:<3} {t['requests']} requests, {t['tokens']} tokens: constrained "
-              f"{t['constrained_tok_s']} tok/s, free {t['free_tok_s']} tok/s, ratio {t['ratio']}")
+        print(
+            f"  throughput c={t['concurrency']:<3} {t['requests']} requests, {t['tokens']} tokens: constrained "
+            f"{t['constrained_tok_s']} tok/s, free {t['free_tok_s']} tok/s, ratio {t['ratio']}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,20 +222,30 @@ def main(argv: list[str] | None = None) -> int:
     corpus_items = [s for s in schemas if s[0] == "corpus"] or schemas
     results = []
     for backend in args.backend or ["auto"]:
-        kw = {"model": args.model, "dtype": args.dtype, "grammar_backend": backend,
-              "max_running_requests": max(args.concurrency, 32)}
+        kw = {
+            "model": args.model,
+            "dtype": args.dtype,
+            "grammar_backend": backend,
+            "max_running_requests": max(args.concurrency, 32),
+        }
         with launch_server(kw, _free_port(), args.launch_timeout) as base:
             t0 = time.perf_counter()
             rows = asyncio.run(run_schemas(base, schemas, args))
             elapsed = time.perf_counter() - t0
-            tput = [] if args.no_throughput else [
-                asyncio.run(throughput(base, corpus_items, c, min(n, len(corpus_items))))
-                for c, n in ((1, max(1, args.throughput_requests // 4)), (32, args.throughput_requests))]
+            tput = (
+                []
+                if args.no_throughput
+                else [
+                    asyncio.run(throughput(base, corpus_items, c, min(n, len(corpus_items))))
+                    for c, n in ((1, max(1, args.throughput_requests // 4)), (32, args.throughput_requests))
+                ]
+            )
         summary = summarize(rows)
         print_report(backend, summary, rows, tput)
         print(f"  ({len(rows)} requests in {elapsed:.0f} s; load {os.getloadavg()[0]:.1f})")
-        results.append({"backend": backend, "summary": summary, "throughput": tput, "rows": rows,
-                        "seconds": round(elapsed, 1)})
+        results.append(
+            {"backend": backend, "summary": summary, "throughput": tput, "rows": rows, "seconds": round(elapsed, 1)}
+        )
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)

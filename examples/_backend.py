@@ -2,6 +2,7 @@
 
 Without arguments an example starts `plait.Engine` on the default model in process; with
 `--url http://127.0.0.1:30000` it uses a running `plait serve` through `plait.RuntimeEndpoint`."""
+
 from __future__ import annotations
 
 import argparse

@@ -3,6 +3,7 @@ through the radix cache and the engine batches their calls.
 
     .venv/bin/python examples/dsl_batch.py
 """
+
 from __future__ import annotations
 
 import time

@@ -1,15 +1,19 @@
 """Few-shot question answering: a constant prefix of examples (shared in the radix cache), then gen.
 
-    .venv/bin/python examples/dsl_few_shot_qa.py
+.venv/bin/python examples/dsl_few_shot_qa.py
 """
+
 from __future__ import annotations
 
 from _backend import default_backend
 
 import plait
 
-EXAMPLES = [("What is the capital of Germany?", "Berlin"), ("What is the capital of Japan?", "Tokyo"),
-            ("What is the capital of Italy?", "Rome")]
+EXAMPLES = [
+    ("What is the capital of Germany?", "Berlin"),
+    ("What is the capital of Japan?", "Tokyo"),
+    ("What is the capital of Italy?", "Rome"),
+]
 
 
 @plait.function

@@ -1,7 +1,8 @@
 """JSON extraction constrained by a JSON schema (a dict) and by a pydantic model.
 
-    .venv/bin/python examples/dsl_json_extraction.py
+.venv/bin/python examples/dsl_json_extraction.py
 """
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,11 @@ import plait
 
 CITY_SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 30}, "country": {"type": "string", "maxLength": 30},
-                   "is_capital": {"type": "boolean"}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 30},
+        "country": {"type": "string", "maxLength": 30},
+        "is_capital": {"type": "boolean"},
+    },
     "required": ["name", "country", "is_capital"],
     "additionalProperties": False,
 }
@@ -35,8 +39,7 @@ def extract(s, text):
 
 def main() -> None:
     with default_backend(__doc__):
-        state = extract.run(text="Marie, a 34-year-old baker, lives in Paris, the capital of France.",
-                            temperature=0)
+        state = extract.run(text="Marie, a 34-year-old baker, lives in Paris, the capital of France.", temperature=0)
         print("city:  ", json.loads(state["city"]))
         print("person:", Person.model_validate_json(state["person"]))
 

@@ -1,7 +1,8 @@
 """Multi-turn chat with the model's own chat template: role calls and `with s.user():` blocks.
 
-    .venv/bin/python examples/dsl_multi_turn_chat.py
+.venv/bin/python examples/dsl_multi_turn_chat.py
 """
+
 from __future__ import annotations
 
 from _backend import default_backend
@@ -21,7 +22,11 @@ def multi_turn(s, questions):
 
 def main() -> None:
     with default_backend(__doc__):
-        questions = ["What is the capital of France?", "And what river flows through it?", "Name a famous museum there."]
+        questions = [
+            "What is the capital of France?",
+            "And what river flows through it?",
+            "Name a famous museum there.",
+        ]
         state = multi_turn.run(questions=questions, temperature=0)
         for m in state.messages():
             print(f"{m['role']:>9}: {m['content'].strip()}")

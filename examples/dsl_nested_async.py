@@ -7,6 +7,7 @@ and `async for piece in state.text_async_iter()` never block the event loop.
 
     .venv/bin/python examples/dsl_nested_async.py
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,9 +32,9 @@ def expand(s, tip):
 @plait.function
 def travel(s, city):
     s += plait.system("You are a concise travel guide.")
-    s += ask(f"Name one thing to see in {city}.", "sight")            # inline: same conversation
+    s += ask(f"Name one thing to see in {city}.", "sight")  # inline: same conversation
     s += ask("And one dish to try there?", "dish")
-    tips = [expand(tip=f"visit {s['sight']}"), expand(tip=f"try {s['dish']}")]   # programs of their own
+    tips = [expand(tip=f"visit {s['sight']}"), expand(tip=f"try {s['dish']}")]  # programs of their own
     s += plait.user("Summarize in one line.")
     s += plait.assistant(plait.gen("summary", max_tokens=32, stop="\n"))
     s["details"] = [t["detail"] for t in tips]
@@ -42,8 +43,9 @@ def travel(s, city):
 async def main() -> None:
     with default_backend(__doc__):
         # two programs at once, awaited without blocking the loop
-        paris, rome = await asyncio.gather(travel.run_async(city="Paris", temperature=0),
-                                           travel.run_async(city="Rome", temperature=0))
+        paris, rome = await asyncio.gather(
+            travel.run_async(city="Paris", temperature=0), travel.run_async(city="Rome", temperature=0)
+        )
         for name, st in (("Paris", paris), ("Rome", rome)):
             print(f"{name}: sight={st['sight']!r} dish={st['dish']!r}\n  details={st['details']}")
         # streaming into the event loop

@@ -1,8 +1,9 @@
 """Quick start for the DSL: a program with a system prompt, two chat turns and a select.
 
-    .venv/bin/python examples/dsl_quickstart.py            # in-process engine, default model
-    .venv/bin/python examples/dsl_quickstart.py --url http://127.0.0.1:30000
+.venv/bin/python examples/dsl_quickstart.py            # in-process engine, default model
+.venv/bin/python examples/dsl_quickstart.py --url http://127.0.0.1:30000
 """
+
 from __future__ import annotations
 
 from _backend import default_backend

@@ -3,6 +3,7 @@
 
     .venv/bin/python examples/dsl_streaming.py
 """
+
 from __future__ import annotations
 
 from _backend import default_backend

@@ -1,7 +1,8 @@
 """Quick start: generate with plait.Engine on the default model (SmolLM2-135M-Instruct).
 
-    python examples/quickstart_engine.py
+python examples/quickstart_engine.py
 """
+
 from __future__ import annotations
 
 import plait
@@ -21,14 +22,17 @@ def main() -> None:
         print("cached tokens on repeat:", again["meta_info"]["cached_tokens"])
 
         # A batch with n samples each, and a streamed completion.
-        outs = engine.generate([prompt, "Once upon a time"], {"temperature": 0.8, "max_new_tokens": 16, "n": 2, "seed": 1})
+        outs = engine.generate(
+            [prompt, "Once upon a time"], {"temperature": 0.8, "max_new_tokens": 16, "n": 2, "seed": 1}
+        )
         for o in outs:
             print("sample:", repr(o["text"]))
         print("stream: ", end="", flush=True)
         shown = ""
-        for chunk in engine.generate("The three primary colors are", {"temperature": 0, "max_new_tokens": 24},
-                                     stream=True):
-            print(chunk["text"][len(shown):], end="", flush=True)
+        for chunk in engine.generate(
+            "The three primary colors are", {"temperature": 0, "max_new_tokens": 24}, stream=True
+        ):
+            print(chunk["text"][len(shown) :], end="", flush=True)
             shown = chunk["text"]
         print()
 

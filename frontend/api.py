@@ -5,6 +5,7 @@ meaning; the few that plait does not do (images, video, `Runtime`, `trace`, `com
 NotImplementedError naming what is missing. `tests/frontend/test_dsl_sglang_api.py` compares the
 signatures with the installed sglang wheel.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -37,7 +38,7 @@ from .reasoning import think_format
 
 token_length_normalized = "token_length_normalized"
 greedy_token = "greedy_token"
-greedy_token_selection = greedy_token          # SGLang's name
+greedy_token_selection = greedy_token  # SGLang's name
 unconditional_likelihood_normalized = "unconditional_likelihood_normalized"
 
 _default_backend: BaseBackend | None = None
@@ -99,10 +100,23 @@ global_config = GlobalConfig()
 # --- expressions -----------------------------------------------------------------------------------
 # gen(dtype=...): the regex, and whether the number also ends at a blank (SGLang adds " " and "\n"
 # to its stop strings, and its regexes allow them).
-_DTYPES = {"int": (REGEX_INT, True), "float": (REGEX_FLOAT, True), "bool": (REGEX_BOOL, False),
-           "str": (REGEX_STR, False)}
-_DTYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str", "int": "int", "float": "float",
-                "bool": "bool", "str": "str", "string": "str"}
+_DTYPES = {
+    "int": (REGEX_INT, True),
+    "float": (REGEX_FLOAT, True),
+    "bool": (REGEX_BOOL, False),
+    "str": (REGEX_STR, False),
+}
+_DTYPE_NAMES = {
+    int: "int",
+    float: "float",
+    bool: "bool",
+    str: "str",
+    "int": "int",
+    "float": "float",
+    "bool": "bool",
+    "str": "str",
+    "string": "str",
+}
 _NUMBER_STOPS = [" ", "\n"]
 
 
@@ -114,21 +128,42 @@ def _dtype(dtype: Any, regex: str | None) -> tuple[str | None, list[str] | None]
         raise ValueError(f"dtype must be int, float, bool or str, got {dtype!r}")
     dtype_regex, ends_at_blank = _DTYPES[_DTYPE_NAMES[dtype]]
     if regex is not None:
-        warnings.warn(f"Both dtype and regex are set. Only dtype will be used. dtype: {dtype}, regex: {regex}",
-                      stacklevel=3)
+        warnings.warn(
+            f"Both dtype and regex are set. Only dtype will be used. dtype: {dtype}, regex: {regex}", stacklevel=3
+        )
     return dtype_regex, (_NUMBER_STOPS if ends_at_blank else None)
 
 
-def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int | None = None,
-        n: int | None = None, stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
-        stop_regex: str | list[str] | None = None, temperature: float | None = None, top_p: float | None = None,
-        top_k: int | None = None, min_p: float | None = None, frequency_penalty: float | None = None,
-        presence_penalty: float | None = None, ignore_eos: bool | None = None,
-        return_logprob: bool | None = None, logprob_start_len: int | None = None,
-        top_logprobs_num: int | None = None, return_text_in_logprobs: bool | None = None,
-        dtype: type | str | None = None, choices: list[str] | None = None, choices_method: Any = None,
-        regex: str | None = None, json_schema: Any = None, *, repetition_penalty: float | None = None,
-        ebnf: str | None = None, seed: int | None = None, max_new_tokens: int | None = None) -> Gen | Select:
+def gen(
+    name: str | None = None,
+    max_tokens: int | None = None,
+    min_tokens: int | None = None,
+    n: int | None = None,
+    stop: str | list[str] | None = None,
+    stop_token_ids: list[int] | None = None,
+    stop_regex: str | list[str] | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    ignore_eos: bool | None = None,
+    return_logprob: bool | None = None,
+    logprob_start_len: int | None = None,
+    top_logprobs_num: int | None = None,
+    return_text_in_logprobs: bool | None = None,
+    dtype: type | str | None = None,
+    choices: list[str] | None = None,
+    choices_method: Any = None,
+    regex: str | None = None,
+    json_schema: Any = None,
+    *,
+    repetition_penalty: float | None = None,
+    ebnf: str | None = None,
+    seed: int | None = None,
+    max_new_tokens: int | None = None,
+) -> Gen | Select:
     """Generate into variable `name` (None: text only), SGLang's parameters in SGLang's order.
 
     One of regex / json_schema (dict, JSON string or pydantic model class) / ebnf / dtype (int,
@@ -139,53 +174,138 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
     own `repetition_penalty`, `ebnf`, `seed`, and `max_new_tokens` (the protocol's name of max_tokens).
     """
     if choices:
-        return Select(name, list(choices), choices_method or token_length_normalized,
-                      0.0 if temperature is None else temperature)
+        return Select(
+            name, list(choices), choices_method or token_length_normalized, 0.0 if temperature is None else temperature
+        )
     regex, extra_stop = _dtype(dtype, regex)
     constraints = [k for k, v in (("regex", regex), ("json_schema", json_schema), ("ebnf", ebnf)) if v is not None]
     if len(constraints) > 1:
         raise ValueError(f"give at most one of regex, json_schema, ebnf (got {constraints})")
-    params = {"max_new_tokens": max_new_tokens if max_new_tokens is not None else max_tokens,
-              "min_new_tokens": min_tokens, "n": n, "stop": stop, "stop_token_ids": stop_token_ids,
-              "stop_regex": stop_regex, "temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
-              "frequency_penalty": frequency_penalty, "presence_penalty": presence_penalty,
-              "repetition_penalty": repetition_penalty, "ignore_eos": ignore_eos, "regex": regex,
-              "json_schema": schema_to_str(json_schema), "ebnf": ebnf, "seed": seed}
-    logprob = {"return_logprob": return_logprob, "logprob_start_len": logprob_start_len,
-               "top_logprobs_num": top_logprobs_num, "return_text_in_logprobs": return_text_in_logprobs}
+    params = {
+        "max_new_tokens": max_new_tokens if max_new_tokens is not None else max_tokens,
+        "min_new_tokens": min_tokens,
+        "n": n,
+        "stop": stop,
+        "stop_token_ids": stop_token_ids,
+        "stop_regex": stop_regex,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "min_p": min_p,
+        "frequency_penalty": frequency_penalty,
+        "presence_penalty": presence_penalty,
+        "repetition_penalty": repetition_penalty,
+        "ignore_eos": ignore_eos,
+        "regex": regex,
+        "json_schema": schema_to_str(json_schema),
+        "ebnf": ebnf,
+        "seed": seed,
+    }
+    logprob = {
+        "return_logprob": return_logprob,
+        "logprob_start_len": logprob_start_len,
+        "top_logprobs_num": top_logprobs_num,
+        "return_text_in_logprobs": return_text_in_logprobs,
+    }
     return Gen(name, params, logprob, extra_stop)
 
 
-def gen_int(name: str | None = None, max_tokens: int | None = None, n: int | None = None,
-            stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
-            stop_regex: str | list[str] | None = None, temperature: float | None = None,
-            top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
-            frequency_penalty: float | None = None, presence_penalty: float | None = None,
-            ignore_eos: bool | None = None, return_logprob: bool | None = None,
-            logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
-            return_text_in_logprobs: bool | None = None, **kwargs: Any) -> Gen:
+def gen_int(
+    name: str | None = None,
+    max_tokens: int | None = None,
+    n: int | None = None,
+    stop: str | list[str] | None = None,
+    stop_token_ids: list[int] | None = None,
+    stop_regex: str | list[str] | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    ignore_eos: bool | None = None,
+    return_logprob: bool | None = None,
+    logprob_start_len: int | None = None,
+    top_logprobs_num: int | None = None,
+    return_text_in_logprobs: bool | None = None,
+    **kwargs: Any,
+) -> Gen:
     """`gen(dtype=int)`: an integer (the variable is its text). `kwargs`: gen's keyword-only ones."""
-    return gen(name, max_tokens, None, n, stop, stop_token_ids, stop_regex, temperature, top_p, top_k, min_p,
-               frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len,
-               top_logprobs_num, return_text_in_logprobs, dtype=int, **kwargs)
+    return gen(
+        name,
+        max_tokens,
+        None,
+        n,
+        stop,
+        stop_token_ids,
+        stop_regex,
+        temperature,
+        top_p,
+        top_k,
+        min_p,
+        frequency_penalty,
+        presence_penalty,
+        ignore_eos,
+        return_logprob,
+        logprob_start_len,
+        top_logprobs_num,
+        return_text_in_logprobs,
+        dtype=int,
+        **kwargs,
+    )
 
 
-def gen_string(name: str | None = None, max_tokens: int | None = None, n: int | None = None,
-               stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
-               stop_regex: str | list[str] | None = None, temperature: float | None = None,
-               top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
-               frequency_penalty: float | None = None, presence_penalty: float | None = None,
-               ignore_eos: bool | None = None, return_logprob: bool | None = None,
-               logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
-               return_text_in_logprobs: bool | None = None, **kwargs: Any) -> Gen:
+def gen_string(
+    name: str | None = None,
+    max_tokens: int | None = None,
+    n: int | None = None,
+    stop: str | list[str] | None = None,
+    stop_token_ids: list[int] | None = None,
+    stop_regex: str | list[str] | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    ignore_eos: bool | None = None,
+    return_logprob: bool | None = None,
+    logprob_start_len: int | None = None,
+    top_logprobs_num: int | None = None,
+    return_text_in_logprobs: bool | None = None,
+    **kwargs: Any,
+) -> Gen:
     """`gen(dtype=str)`: a double-quoted string of word characters and blanks (SGLang's REGEX_STR)."""
-    return gen(name, max_tokens, None, n, stop, stop_token_ids, stop_regex, temperature, top_p, top_k, min_p,
-               frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len,
-               top_logprobs_num, return_text_in_logprobs, dtype=str, **kwargs)
+    return gen(
+        name,
+        max_tokens,
+        None,
+        n,
+        stop,
+        stop_token_ids,
+        stop_regex,
+        temperature,
+        top_p,
+        top_k,
+        min_p,
+        frequency_penalty,
+        presence_penalty,
+        ignore_eos,
+        return_logprob,
+        logprob_start_len,
+        top_logprobs_num,
+        return_text_in_logprobs,
+        dtype=str,
+        **kwargs,
+    )
 
 
-def select(name: str | None = None, choices: list[str] | None = None, temperature: float = 0.0,
-           choices_method: Any = token_length_normalized) -> Select:
+def select(
+    name: str | None = None,
+    choices: list[str] | None = None,
+    temperature: float = 0.0,
+    choices_method: Any = token_length_normalized,
+) -> Select:
     """Pick one of `choices` by its likelihood after the text so far (prefill-only scoring).
     `choices_method`: a method's name (`token_length_normalized`, `greedy_token_selection`,
     `unconditional_likelihood_normalized`) or an SGLang-style `ChoicesSamplingMethod` callable."""
@@ -208,7 +328,7 @@ def separate_reasoning(expr: Any = None, model_type: str | None = None) -> ExprL
     """Run `expr`, then split each named gen/select in it into its answer (the variable, and the
     text) and its reasoning (variable `<name>_reasoning_content`), by `model_type`'s think markers
     (SGLang's reasoning-parser names: 'deepseek-r1', 'qwen3', 'kimi', ...)."""
-    think_format(model_type)          # an unknown model_type fails here, where it is written
+    think_format(model_type)  # an unknown model_type fails here, where it is written
     if _has_unnamed_output(expr):
         raise ValueError("name must be provided: separate_reasoning needs named gen/select")
     return ExprList([expr, SeparateReasoning(model_type, expr)])
@@ -277,19 +397,36 @@ def get_server_info(backend: Any = None) -> dict | None:
     return _resolve_backend(backend).get_server_info()
 
 
-def Runtime(*args: Any, **kwargs: Any) -> Any:   # noqa: N802 - SGLang's name
+def Runtime(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 - SGLang's name
     """SGLang's server-in-a-subprocess handle: not in plait."""
-    raise NotImplementedError("sgl.Runtime: plait does not start a server for a program; run "
-                              "`plait serve --model ...` and use plait.RuntimeEndpoint(url), or plait.Engine(...) "
-                              "in process")
+    raise NotImplementedError(
+        "sgl.Runtime: plait does not start a server for a program; run "
+        "`plait serve --model ...` and use plait.RuntimeEndpoint(url), or plait.Engine(...) "
+        "in process"
+    )
 
 
 # --- programs --------------------------------------------------------------------------------------
 # run()'s sampling settings and their defaults: SGLang's (SglFunction.run), plus plait's `seed`.
-_DEFAULTS = dict(max_new_tokens=128, n=1, stop=None, stop_token_ids=None, stop_regex=None, temperature=1.0,
-                 top_p=1.0, top_k=-1, min_p=0.0, frequency_penalty=0.0, presence_penalty=0.0, ignore_eos=False,
-                 seed=None, return_logprob=None, logprob_start_len=None, top_logprobs_num=None,
-                 return_text_in_logprobs=None)
+_DEFAULTS = dict(
+    max_new_tokens=128,
+    n=1,
+    stop=None,
+    stop_token_ids=None,
+    stop_regex=None,
+    temperature=1.0,
+    top_p=1.0,
+    top_k=-1,
+    min_p=0.0,
+    frequency_penalty=0.0,
+    presence_penalty=0.0,
+    ignore_eos=False,
+    seed=None,
+    return_logprob=None,
+    logprob_start_len=None,
+    top_logprobs_num=None,
+    return_text_in_logprobs=None,
+)
 _LOGPROB = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
 
 
@@ -319,8 +456,8 @@ class Function:
     def _settings(kwargs: dict) -> tuple[dict, dict, dict]:
         """Split keyword arguments into the sampling and logprob settings given and the rest."""
         kwargs = dict(kwargs)
-        kwargs.pop("use_thread", None)       # SGLang's flag: states always run on their own thread here
-        if "max_tokens" in kwargs and "max_tokens" not in _DEFAULTS:   # gen's spelling, also accepted here
+        kwargs.pop("use_thread", None)  # SGLang's flag: states always run on their own thread here
+        if "max_tokens" in kwargs and "max_tokens" not in _DEFAULTS:  # gen's spelling, also accepted here
             kwargs["max_new_tokens"] = kwargs.pop("max_tokens")
         given = {k: kwargs.pop(k) for k in list(kwargs) if k in _DEFAULTS}
         sampling = {k: v for k, v in given.items() if k not in _LOGPROB}
@@ -341,8 +478,10 @@ class Function:
 
     def _new_state(self, backend, sampling, logprob, stream) -> ProgramState:
         if stream and self.num_api_spec_tokens:
-            raise NotImplementedError("stream=True with num_api_spec_tokens: API speculation writes several "
-                                      "gens at once, so it does not stream (as in SGLang)")
+            raise NotImplementedError(
+                "stream=True with num_api_spec_tokens: API speculation writes several "
+                "gens at once, so it does not stream (as in SGLang)"
+            )
         return ProgramState(StreamExecutor(backend, sampling, logprob, stream, self.num_api_spec_tokens))
 
     def _body(self, state: Any, args: tuple, kwargs: dict) -> Any:
@@ -357,7 +496,7 @@ class Function:
         ex.begin_body()
         try:
             state.ret_value = self._body(state, args, kwargs)
-        except BaseException as e:   # noqa: BLE001 - kept in the state
+        except BaseException as e:  # noqa: BLE001 - kept in the state
             state._program_error = e
             ex.fail(e)
         finally:
@@ -366,26 +505,44 @@ class Function:
 
     def _start(self, state: ProgramState, args: tuple, kwargs: dict) -> threading.Thread:
         """Run the body on a thread of its own (so the caller can stream or await the state)."""
-        t = threading.Thread(target=self._execute, args=(state, args, kwargs), daemon=True,
-                             name=f"plait-program-{self.func.__name__}")
+        t = threading.Thread(
+            target=self._execute, args=(state, args, kwargs), daemon=True, name=f"plait-program-{self.func.__name__}"
+        )
         t.start()
         return t
 
-    def run(self, *args, max_new_tokens: int = 128, n: int = 1, stop: str | list[str] | None = None,
-            stop_token_ids: list[int] | None = None, stop_regex: str | list[str] | None = None,
-            temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0,
-            frequency_penalty: float = 0.0, presence_penalty: float = 0.0, ignore_eos: bool = False,
-            return_logprob: bool | None = None, logprob_start_len: int | None = None,
-            top_logprobs_num: int | None = None, return_text_in_logprobs: bool | None = None,
-            stream: bool = False, backend: Any = None, use_thread: bool = True, **kwargs) -> ProgramState:
+    def run(
+        self,
+        *args,
+        max_new_tokens: int = 128,
+        n: int = 1,
+        stop: str | list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        stop_regex: str | list[str] | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        min_p: float = 0.0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        ignore_eos: bool = False,
+        return_logprob: bool | None = None,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
+        return_text_in_logprobs: bool | None = None,
+        stream: bool = False,
+        backend: Any = None,
+        use_thread: bool = True,
+        **kwargs,
+    ) -> ProgramState:
         """Run once; returns the state when done (or at once with `stream=True`: read it with
         `state.text_iter()`). Errors, the program's own or a backend's, are raised. The settings
         are every gen's defaults (SGLang's); `kwargs` are the program's arguments, and plait's
         `seed` / `max_tokens`. `use_thread` is accepted: a plait state always runs on a thread."""
-        settings = {k: v for k, v in locals().items() if k in _DEFAULTS}   # the settings above
+        settings = {k: v for k, v in locals().items() if k in _DEFAULTS}  # the settings above
         sampling, logprob, kwargs = self._split({**settings, **kwargs})
         state = self._new_state(_resolve_backend(backend), sampling, logprob, stream)
-        if stream:      # the body runs on its own thread, so it may read its own variables
+        if stream:  # the body runs on its own thread, so it may read its own variables
             self._start(state, args, kwargs)
             return state
         self._execute(state, args, kwargs)
@@ -406,22 +563,39 @@ class Function:
         await state.wait_async()
         return _finished(state)
 
-    def run_batch(self, batch_kwargs: list[dict] | list[tuple], *, max_new_tokens: int = 128, n: int = 1,
-                  stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
-                  stop_regex: str | list[str] | None = None, temperature: float = 1.0, top_p: float = 1.0,
-                  top_k: int = -1, min_p: float = 0.0, frequency_penalty: float = 0.0,
-                  presence_penalty: float = 0.0, ignore_eos: bool = False, return_logprob: bool | None = None,
-                  logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
-                  return_text_in_logprobs: bool | None = None, backend: Any = None,
-                  num_threads: int | str = "auto", progress_bar: bool = False, generator_style: bool = False,
-                  **kwargs) -> list[ProgramState] | Iterator[ProgramState]:
+    def run_batch(
+        self,
+        batch_kwargs: list[dict] | list[tuple],
+        *,
+        max_new_tokens: int = 128,
+        n: int = 1,
+        stop: str | list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        stop_regex: str | list[str] | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        min_p: float = 0.0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        ignore_eos: bool = False,
+        return_logprob: bool | None = None,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
+        return_text_in_logprobs: bool | None = None,
+        backend: Any = None,
+        num_threads: int | str = "auto",
+        progress_bar: bool = False,
+        generator_style: bool = False,
+        **kwargs,
+    ) -> list[ProgramState] | Iterator[ProgramState]:
         """Run the program once per item of `batch_kwargs` (a dict of arguments, or a tuple of them in
         order), concurrently on `num_threads` threads; the states in order, as a list or (with
         `generator_style`) as an iterator that yields each as soon as it and those before it are
         done. A program that fails keeps its error in its own state (`state.error()`); the others
         go on. As in SGLang, the program's constant prefix is sent once first, so the batch shares
         it. `kwargs`: plait's `seed` / `max_tokens`."""
-        settings = {k: v for k, v in locals().items() if k in _DEFAULTS}   # the settings above
+        settings = {k: v for k, v in locals().items() if k in _DEFAULTS}  # the settings above
         sampling, logprob, rest = self._split({**settings, **kwargs})
         if rest:
             raise TypeError(f"run_batch got unexpected arguments {sorted(rest)}; program arguments go in batch_kwargs")
@@ -446,9 +620,17 @@ class Function:
             raise TypeError(f"Given arguments mismatch the signature of {self.func.__name__}{tuple(names)}")
         return [dict(zip(names, a)) for a in batch_kwargs]
 
-    def _run_many(self, be: BaseBackend | None, batch: list[dict], sampling: dict, logprob: dict,
-                  num_threads: int, progress_bar: bool) -> Iterator[ProgramState]:
+    def _run_many(
+        self,
+        be: BaseBackend | None,
+        batch: list[dict],
+        sampling: dict,
+        logprob: dict,
+        num_threads: int,
+        progress_bar: bool,
+    ) -> Iterator[ProgramState]:
         """Run every item on a pool; yield the states in order."""
+
         def one(args: dict) -> ProgramState:
             state = self._new_state(be, sampling, logprob, False)
             self._execute(state, (), args)
@@ -460,6 +642,7 @@ class Function:
         bar = None
         if progress_bar:
             from tqdm.auto import tqdm
+
             bar = tqdm(total=len(batch), desc=self.func.__name__)
         with cf.ThreadPoolExecutor(max_workers=num_threads) as pool:
             futures = [pool.submit(one, a) for a in batch]
@@ -470,26 +653,30 @@ class Function:
                 for fut in futures:
                     yield fut.result()
             finally:
-                cf.wait(futures)      # the bar's last updates happen before it closes
+                cf.wait(futures)  # the bar's last updates happen before it closes
                 if bar is not None:
                     bar.close()
 
     def trace(self, *, backend: Any = None, **kwargs) -> Any:
         """SGLang's program tracing into its IR graph: not in plait."""
-        raise NotImplementedError("Function.trace: plait does not build SGLang's traced program graph "
-                                  "(Function.cache() traces the program's constant prefix)")
+        raise NotImplementedError(
+            "Function.trace: plait does not build SGLang's traced program graph "
+            "(Function.cache() traces the program's constant prefix)"
+        )
 
     def compile(self, *, backend: Any = None) -> Any:
         """SGLang's compilation of a traced program: not in plait."""
-        raise NotImplementedError("Function.compile: plait runs programs as they are written; it has no "
-                                  "compiler for SGLang's traced program graph")
+        raise NotImplementedError(
+            "Function.compile: plait runs programs as they are written; it has no "
+            "compiler for SGLang's traced program graph"
+        )
 
     def cache(self, backend: Any = None) -> None:
         """Warm the cache with the program's constant prefix: the text before the first call
         that needs an argument or the model (traced with placeholder arguments)."""
         be = _resolve_backend(backend)
         prefix = _trace_prefix(self, be)
-        if len(prefix) > 64:      # shorter ones are not worth a request (SGLang's threshold)
+        if len(prefix) > 64:  # shorter ones are not worth a request (SGLang's threshold)
             be.cache_prefix(prefix)
 
     def __call__(self, *args, **kwargs) -> Any:
@@ -547,8 +734,8 @@ class ProgramCall(Call):
     def __init__(self, fn: Function, args: tuple, kwargs: dict, frame: context.Frame):
         self._fn, self._args, self._frame = fn, args, frame
         self._sampling, self._logprob, self._kwargs = fn._settings(kwargs)
-        self._state: ProgramState | None = None      # where it ran last
-        self._own = False                             # started as a program of its own
+        self._state: ProgramState | None = None  # where it ran last
+        self._own = False  # started as a program of its own
         self._lock = threading.Lock()
 
     def _unpend(self) -> None:
@@ -558,7 +745,7 @@ class ProgramCall(Call):
 
     def inline_into(self, state: Any) -> None:
         self._unpend()
-        if self._own:       # already running as a program of its own: append what it produces
+        if self._own:  # already running as a program of its own: append what it produces
             state.stream_executor.submit(self._state)
             return
         _inline(self._fn, state, self._args, self._kwargs, self._sampling, self._logprob)
@@ -575,14 +762,20 @@ class ProgramCall(Call):
                 raise _Stop
             outer = self._frame.state.stream_executor
             self._own = True
-            self._state = ProgramState(StreamExecutor(
-                outer.backend, {**outer.default_sampling, **self._sampling},
-                {**outer.default_logprob, **self._logprob}, outer.stream, self._fn.num_api_spec_tokens))
+            self._state = ProgramState(
+                StreamExecutor(
+                    outer.backend,
+                    {**outer.default_sampling, **self._sampling},
+                    {**outer.default_logprob, **self._logprob},
+                    outer.stream,
+                    self._fn.num_api_spec_tokens,
+                )
+            )
         self._fn._start(self._state, self._args, self._kwargs)
 
     def _resolve(self) -> ProgramState:
         self.start()
-        return self._state   # type: ignore[return-value]
+        return self._state  # type: ignore[return-value]
 
     def __getitem__(self, name: str) -> Any:
         return self._resolve()[name]
@@ -653,8 +846,9 @@ class _Arg:
     __radd__ = __add__
 
 
-def function(func: Callable | None = None,
-             num_api_spec_tokens: int | None = None) -> Function | Callable[[Callable], Function]:
+def function(
+    func: Callable | None = None, num_api_spec_tokens: int | None = None
+) -> Function | Callable[[Callable], Function]:
     """Decorator: `@plait.function`, `@plait.function()` or `@plait.function(num_api_spec_tokens=N)`
     (API speculation: one call writes N tokens ahead for several gens; see plait.frontend.speculation)."""
     if func is None:

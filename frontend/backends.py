@@ -8,6 +8,7 @@
 The native backends share one wire format (`shared/protocol.md`); select is built on prefill-only
 calls (`max_new_tokens: 0`) that return input-token logprobs.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,7 +53,9 @@ class BaseBackend:
     def generate(self, text: str, sampling_params: dict, logprob: dict | None = None) -> tuple[str, dict]:
         raise NotImplementedError
 
-    def generate_stream(self, text: str, sampling_params: dict, logprob: dict | None = None) -> Iterator[tuple[str, dict]]:
+    def generate_stream(
+        self, text: str, sampling_params: dict, logprob: dict | None = None
+    ) -> Iterator[tuple[str, dict]]:
         """Yields (cumulative text, meta_info)."""
         yield self.generate(text, sampling_params, logprob)
 
@@ -69,8 +72,10 @@ class BaseBackend:
         return [self.chat(messages, _one_of_n(sampling_params, i)) for i in range(_n(sampling_params))]
 
     def score_choices(self, prefix: str, choices: list[str], unconditional: bool = False) -> dict:
-        raise NotImplementedError(f"{type(self).__name__} cannot score choices by logprobs; "
-                                  "select needs a native backend (RuntimeEndpoint or EngineBackend)")
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot score choices by logprobs; "
+            "select needs a native backend (RuntimeEndpoint or EngineBackend)"
+        )
 
     def cache_prefix(self, text: str) -> None:
         pass
@@ -152,8 +157,17 @@ class _NativeBackend(BaseBackend):
             n = self._post(self._payload(prefix, {"max_new_tokens": 0}))["meta_info"]["prompt_tokens"]
         start = max(n - 2, 0)
         texts = ([prefix] if prefix else []) + [prefix + c for c in choices]
-        outs = _check(self._post({"text": texts, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
-                           "logprob_start_len": start, "return_text_in_logprobs": True}))
+        outs = _check(
+            self._post(
+                {
+                    "text": texts,
+                    "sampling_params": {"max_new_tokens": 0},
+                    "return_logprob": True,
+                    "logprob_start_len": start,
+                    "return_text_in_logprobs": True,
+                }
+            )
+        )
         prefix_ids = [t[1] for t in outs[0]["meta_info"]["input_token_logprobs"]] if prefix else []
         result: dict[str, Any] = {"input_token_logprobs": [], "prompt_tokens": n}
         for out in outs[1:] if prefix else outs:
@@ -163,8 +177,15 @@ class _NativeBackend(BaseBackend):
                 k += 1
             result["input_token_logprobs"].append(triples[k:] if prefix else triples)
         if unconditional:
-            outs = self._post({"text": list(choices), "sampling_params": {"max_new_tokens": 0},
-                               "return_logprob": True, "logprob_start_len": 0, "return_text_in_logprobs": True})
+            outs = self._post(
+                {
+                    "text": list(choices),
+                    "sampling_params": {"max_new_tokens": 0},
+                    "return_logprob": True,
+                    "logprob_start_len": 0,
+                    "return_text_in_logprobs": True,
+                }
+            )
             result["unconditional_token_logprobs"] = [o["meta_info"]["input_token_logprobs"] for o in outs]
         return result
 
@@ -180,11 +201,14 @@ class EngineBackend(_NativeBackend):
         return from_tokenizer(self.engine.tokenizer, "model") or guess_by_name(str(self.engine.model_path))
 
     def _kwargs(self, payload: dict) -> dict:
-        return dict(prompt=payload["text"], sampling_params=payload["sampling_params"],
-                    return_logprob=payload.get("return_logprob", False),
-                    logprob_start_len=payload.get("logprob_start_len", -1),
-                    top_logprobs_num=payload.get("top_logprobs_num", 0),
-                    return_text_in_logprobs=payload.get("return_text_in_logprobs", False))
+        return dict(
+            prompt=payload["text"],
+            sampling_params=payload["sampling_params"],
+            return_logprob=payload.get("return_logprob", False),
+            logprob_start_len=payload.get("logprob_start_len", -1),
+            top_logprobs_num=payload.get("top_logprobs_num", 0),
+            return_text_in_logprobs=payload.get("return_text_in_logprobs", False),
+        )
 
     def _post(self, payload):
         try:
@@ -220,9 +244,11 @@ def _error_message(resp) -> str:
 class _HTTP:
     def __init__(self, base_url: str, api_key: str | None, timeout: float | None, verify: Any = True):
         import httpx
+
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, verify=verify,
-                                   timeout=httpx.Timeout(timeout, connect=30.0))
+        self.client = httpx.Client(
+            base_url=base_url.rstrip("/"), headers=headers, verify=verify, timeout=httpx.Timeout(timeout, connect=30.0)
+        )
 
     def request(self, method: str, path: str, body: Any = None) -> Any:
         resp = self.client.request(method, path, json=body)
@@ -251,9 +277,16 @@ class RuntimeEndpoint(_NativeBackend):
     """A plait (or SGLang-compatible) server at `base_url`, over the native protocol. `verify`:
     TLS certificate checking, as in requests/httpx (None: on; False: off; a CA bundle path)."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, verify: Any = None,
-                 chat_template_name: str | None = None, *, chat_template: str | ChatTemplate | None = None,
-                 timeout: float | None = 600.0):
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        verify: Any = None,
+        chat_template_name: str | None = None,
+        *,
+        chat_template: str | ChatTemplate | None = None,
+        timeout: float | None = 600.0,
+    ):
         super().__init__(chat_template or chat_template_name)
         self.base_url = base_url.rstrip("/")
         self.verify = verify
@@ -262,9 +295,10 @@ class RuntimeEndpoint(_NativeBackend):
 
     def _derive_template(self) -> ChatTemplate:
         path = self.model_info.get("tokenizer_path") or self.model_info.get("model_path") or ""
-        if path and os.path.isdir(path):   # the server's tokenizer is on this machine: use its template
+        if path and os.path.isdir(path):  # the server's tokenizer is on this machine: use its template
             try:
                 from transformers import AutoTokenizer
+
                 tmpl = from_tokenizer(AutoTokenizer.from_pretrained(path), "model")
                 if tmpl is not None:
                     return tmpl
@@ -295,12 +329,18 @@ class OpenAIBackend(BaseBackend):
     """An OpenAI-compatible endpoint (`base_url` ends in /v1). gen inside an assistant role is a
     chat completion over the conversation so far; gen elsewhere is a text completion. Structured
     output by json_schema (response_format) works; regex, ebnf, logprobs and select do not."""
+
     is_chat_model = True
     supports_logprobs = False
 
-    def __init__(self, base_url: str = "https://api.openai.com/v1", model: str = "gpt-4o-mini",
-                 api_key: str | None = None, chat_template: str | ChatTemplate | None = None,
-                 timeout: float | None = 600.0):
+    def __init__(
+        self,
+        base_url: str = "https://api.openai.com/v1",
+        model: str = "gpt-4o-mini",
+        api_key: str | None = None,
+        chat_template: str | ChatTemplate | None = None,
+        timeout: float | None = 600.0,
+    ):
         super().__init__(chat_template or "default")
         self.model = model
         self._http = _HTTP(base_url, api_key or os.environ.get("OPENAI_API_KEY"), timeout)
@@ -310,15 +350,24 @@ class OpenAIBackend(BaseBackend):
             if sp.get(key) is not None:
                 raise NotImplementedError(f"OpenAIBackend cannot honour {key}= (use a native backend)")
         body: dict[str, Any] = {"model": self.model}
-        mapping = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
-                   "stop": "stop", "frequency_penalty": "frequency_penalty",
-                   "presence_penalty": "presence_penalty", "seed": "seed", "n": "n"}
+        mapping = {
+            "max_new_tokens": "max_tokens",
+            "temperature": "temperature",
+            "top_p": "top_p",
+            "stop": "stop",
+            "frequency_penalty": "frequency_penalty",
+            "presence_penalty": "presence_penalty",
+            "seed": "seed",
+            "n": "n",
+        }
         for k, v in mapping.items():
             if sp.get(k) is not None:
                 body[v] = sp[k]
         if sp.get("json_schema") is not None:
-            body["response_format"] = {"type": "json_schema", "json_schema": {
-                "name": "output", "schema": json.loads(sp["json_schema"])}}
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": json.loads(sp["json_schema"])},
+            }
         return body
 
     def chat(self, messages, sampling_params):
@@ -339,9 +388,10 @@ class OpenAIBackend(BaseBackend):
         body = self._body(sampling_params)
         body["messages"] = messages
         out = self._http.request("POST", "/chat/completions", body)
-        return [(c["message"].get("content") or "", {"finish_reason": c.get("finish_reason"),
-                                                     "usage": out.get("usage")})
-                for c in _in_order(out["choices"])]
+        return [
+            (c["message"].get("content") or "", {"finish_reason": c.get("finish_reason"), "usage": out.get("usage")})
+            for c in _in_order(out["choices"])
+        ]
 
     def _complete(self, text: str, sampling_params: dict, logprob: dict | None) -> list[tuple[str, dict]]:
         if logprob and logprob.get("return_logprob"):
@@ -351,8 +401,10 @@ class OpenAIBackend(BaseBackend):
             raise NotImplementedError("OpenAIBackend supports json_schema only inside an assistant role (chat)")
         body["prompt"] = text
         out = self._http.request("POST", "/completions", body)
-        return [(c["text"], {"finish_reason": c.get("finish_reason"), "usage": out.get("usage")})
-                for c in _in_order(out["choices"])]
+        return [
+            (c["text"], {"finish_reason": c.get("finish_reason"), "usage": out.get("usage")})
+            for c in _in_order(out["choices"])
+        ]
 
     def get_model_name(self) -> str:
         return self.model

@@ -4,6 +4,7 @@
 conversations with marker contents and cutting the text around the markers; named templates
 ("default", "chatml", "llama-3") are the fallbacks and can be chosen explicitly.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,12 +30,17 @@ class ChatTemplate:
 
 
 NAMED: dict[str, ChatTemplate] = {
-    "default": ChatTemplate("default", {"system": ("SYSTEM:", "\n"), "user": ("USER:", "\n"),
-                                        "assistant": ("ASSISTANT:", "\n")}),
-    "chatml": ChatTemplate("chatml", {r: (f"<|im_start|>{r}\n", "<|im_end|>\n") for r in ROLES},
-                           stop_str=["<|im_end|>"]),
-    "llama-3": ChatTemplate("llama-3", {r: (f"<|start_header_id|>{r}<|end_header_id|>\n\n", "<|eot_id|>")
-                                        for r in ROLES}, stop_str=["<|eot_id|>"]),
+    "default": ChatTemplate(
+        "default", {"system": ("SYSTEM:", "\n"), "user": ("USER:", "\n"), "assistant": ("ASSISTANT:", "\n")}
+    ),
+    "chatml": ChatTemplate(
+        "chatml", {r: (f"<|im_start|>{r}\n", "<|im_end|>\n") for r in ROLES}, stop_str=["<|im_end|>"]
+    ),
+    "llama-3": ChatTemplate(
+        "llama-3",
+        {r: (f"<|start_header_id|>{r}<|end_header_id|>\n\n", "<|eot_id|>") for r in ROLES},
+        stop_str=["<|eot_id|>"],
+    ),
 }
 NAMED["llama3"] = NAMED["llama-3"]
 
@@ -72,7 +78,7 @@ def from_tokenizer(tokenizer, name: str = "model") -> ChatTemplate | None:
         sys_ok = True
         try:
             r1 = render([{"role": "system", "content": _S}])
-        except Exception:   # templates that refuse a system role
+        except Exception:  # templates that refuse a system role
             sys_ok, r1 = False, ""
         base = [{"role": "system", "content": _S}] if sys_ok else []
         r2 = render(base + [{"role": "user", "content": _U}])
@@ -82,11 +88,11 @@ def from_tokenizer(tokenizer, name: str = "model") -> ChatTemplate | None:
         table: dict[str, tuple[str, str]] = {}
         if sys_ok:
             i = r1.index(_S)
-            table["system"] = (r1[:i], r1[i + len(_S):])
+            table["system"] = (r1[:i], r1[i + len(_S) :])
         i = r2.index(_U, len(r1))
-        table["user"] = (r2[len(r1):i], r2[i + len(_U):])
+        table["user"] = (r2[len(r1) : i], r2[i + len(_U) :])
         i = r3.index(_A, len(r2))
-        table["assistant"] = (r3[len(r2):i], r3[i + len(_A):])
+        table["assistant"] = (r3[len(r2) : i], r3[i + len(_A) :])
         # the text before the first block is the BOS the tokenizer adds itself: drop it
         bos = getattr(tokenizer, "bos_token", None)
         first = "system" if sys_ok else "user"
@@ -95,19 +101,19 @@ def from_tokenizer(tokenizer, name: str = "model") -> ChatTemplate | None:
             if ids and ids[0] == tokenizer.bos_token_id:
                 for role, (p, s) in table.items():
                     if p.startswith(bos):
-                        table[role] = (p[len(bos):], s)
+                        table[role] = (p[len(bos) :], s)
         if not sys_ok:
             table["system"] = table["user"]
         default_system = None
-        if sys_ok:   # a template that inserts its own system block when a conversation has none
+        if sys_ok:  # a template that inserts its own system block when a conversation has none
             r_user = render([{"role": "user", "content": _U}])
-            head = r_user[:r_user.index(_U)]
+            head = r_user[: r_user.index(_U)]
             sp, ss = table["system"]
             up = table["user"][0]
             if bos and head.startswith(bos) and not sp.startswith(bos):
-                head = head[len(bos):]
+                head = head[len(bos) :]
             if head != up and head.startswith(sp) and head.endswith(ss + up):
-                default_system = head[len(sp):len(head) - len(ss + up)]
+                default_system = head[len(sp) : len(head) - len(ss + up)]
         stop = [s.strip() for s in (table["assistant"][1],) if s.strip()]
         return ChatTemplate(name, table, default_system_prompt=default_system, stop_str=stop)
     except Exception:

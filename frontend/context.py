@@ -5,6 +5,7 @@ to a state (`s += inner(...)`) it runs there, inline; otherwise it starts as its
 soon as the caller needs any value (reads a variable or text, forks, returns), so that, as in
 SGLang, several such calls made one after another run concurrently.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,7 +40,7 @@ def start_pending() -> None:
     """Start every pending call made by the bodies running on this thread."""
     for frame in _stack():
         while frame.pending and not frame.tracing:
-            frame.pending[0].start()        # which takes it off the list
+            frame.pending[0].start()  # which takes it off the list
 
 
 @contextlib.contextmanager
@@ -52,6 +53,6 @@ def running(state: Any, tracing: bool = False) -> Iterator[Frame]:
         yield frame
     finally:
         _stack().pop()
-    if not tracing:     # not after an error: the program failed, its calls' results are moot
+    if not tracing:  # not after an error: the program failed, its calls' results are moot
         while frame.pending:
-            frame.pending[0].start()        # which takes it off the list
+            frame.pending[0].start()  # which takes it off the list

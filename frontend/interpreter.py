@@ -4,6 +4,7 @@ so `s += gen(...)` returns at once and independent states (fork children, batch 
 A program's body (the Python function) may run on another thread than the one reading its state
 (streaming, `run_async`, nested calls started on their own): the executor records which thread
 runs the body, so readers elsewhere wait for the body to finish submitting before they sync."""
+
 from __future__ import annotations
 
 import asyncio
@@ -42,8 +43,14 @@ class ProgramError(RuntimeError):
 class StreamExecutor:
     """Runs one state's expressions, in order, on a thread of its own."""
 
-    def __init__(self, backend: BaseBackend, default_sampling: dict, default_logprob: dict,
-                 stream: bool = False, num_api_spec_tokens: int | None = None):
+    def __init__(
+        self,
+        backend: BaseBackend,
+        default_sampling: dict,
+        default_logprob: dict,
+        stream: bool = False,
+        num_api_spec_tokens: int | None = None,
+    ):
         self.backend = backend
         self.chat_template = backend.get_chat_template()
         self.default_sampling = default_sampling
@@ -57,22 +64,22 @@ class StreamExecutor:
         self.cur_role: str | None = None
         self.cur_role_begin_pos = 0
         self.var_scopes: dict[str, int] = {}
-        self.var_spans: dict[str, tuple[int, int]] = {}     # where each gen/select's text lies in text_
+        self.var_spans: dict[str, tuple[int, int]] = {}  # where each gen/select's text lies in text_
         self.num_api_spec_tokens = num_api_spec_tokens
         self._spec = CompletionSpeculation(num_api_spec_tokens) if num_api_spec_tokens else None
-        self._chat_spec: ChatSpeculation | None = None      # an assistant role held for one chat call
+        self._chat_spec: ChatSpeculation | None = None  # an assistant role held for one chat call
         self.error_: BaseException | None = None
         self.children: list[StreamExecutor] = []
-        self._defaults_stack: list[tuple[dict, dict]] = []   # nested calls' own sampling settings
+        self._defaults_stack: list[tuple[dict, dict]] = []  # nested calls' own sampling settings
         self._body_done = threading.Event()
-        self._body_done.set()                                # no body yet: nothing more will come
+        self._body_done.set()  # no body yet: nothing more will come
         self._body_thread: int | None = None
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self._lock = threading.Lock()
         self._cond = threading.Condition()
-        self._events: list[tuple[str | None, str | None]] = []   # (var or None, piece) for text_iter
+        self._events: list[tuple[str | None, str | None]] = []  # (var or None, piece) for text_iter
         self._finished = threading.Event()
-        self._ended = False                                  # end() queued the last item
+        self._ended = False  # end() queued the last item
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._worker, daemon=True, name="plait-executor")
         self._thread.start()
@@ -128,7 +135,7 @@ class StreamExecutor:
         for loop, ev in waiters:
             try:
                 loop.call_soon_threadsafe(ev.set)
-            except RuntimeError:    # that loop is closed; its task is gone
+            except RuntimeError:  # that loop is closed; its task is gone
                 pass
 
     async def _wait_async(self, ready: Callable[[], bool]) -> None:
@@ -185,7 +192,7 @@ class StreamExecutor:
                     return
                 if self.error_ is None:
                     self._execute(expr)
-            except BaseException as e:   # noqa: BLE001 - recorded, surfaced to the program
+            except BaseException as e:  # noqa: BLE001 - recorded, surfaced to the program
                 self.fail(e)
             finally:
                 self._queue.task_done()
@@ -279,8 +286,7 @@ class StreamExecutor:
                 self.raise_error()
                 return
 
-    async def text_async_iter(self, var_name: str | None = None,
-                              return_meta_data: bool = False) -> AsyncIterator[Any]:
+    async def text_async_iter(self, var_name: str | None = None, return_meta_data: bool = False) -> AsyncIterator[Any]:
         if not self.stream:
             await self.wait_async()
             self.raise_error()
@@ -325,12 +331,12 @@ class StreamExecutor:
         elif isinstance(expr, VarScopeBegin):
             self.var_scopes[expr.name] = len(self.text_)
         elif isinstance(expr, VarScopeEnd):
-            self.set_var(expr.name, self.text_[self.var_scopes.pop(expr.name):])
+            self.set_var(expr.name, self.text_[self.var_scopes.pop(expr.name) :])
         elif isinstance(expr, SeparateReasoning):
             self._separate_reasoning(expr)
         elif isinstance(expr, ProgramState):
             self._splice(expr.stream_executor)
-        elif callable(expr):          # internal ops (join, nested calls' settings)
+        elif callable(expr):  # internal ops (join, nested calls' settings)
             expr(self)
         elif isinstance(expr, (int, float)):
             self._fill(str(expr))
@@ -357,7 +363,7 @@ class StreamExecutor:
             raise ValueError(f"role {role!r} ends but the open role is {self.cur_role!r}")
         if self._chat_spec is not None:
             self._release_chat_speculation()
-        content = self.text_[self.cur_role_begin_pos:]
+        content = self.text_[self.cur_role_begin_pos :]
         _, suffix = self.chat_template.get_prefix_and_suffix(role)
         self._fill(suffix)
         self.messages_.append({"role": role, "content": content})
@@ -373,8 +379,10 @@ class StreamExecutor:
         elif isinstance(expr, Gen) and expr.params.get("choices") is None:
             spec.add_gen(expr, self._sampling(expr)[0])
         elif isinstance(expr, (Select, Gen)):
-            raise NotImplementedError("select inside an assistant role with num_api_spec_tokens on a chat "
-                                      "backend: a chat API gives no choice logprobs")
+            raise NotImplementedError(
+                "select inside an assistant role with num_api_spec_tokens on a chat "
+                "backend: a chat API gives no choice logprobs"
+            )
         elif isinstance(expr, (VarScopeBegin, VarScopeEnd, SeparateReasoning, ProgramState)):
             spec.add_expr(expr)
         else:
@@ -416,7 +424,7 @@ class StreamExecutor:
         start = len(self.text_)
         if (sp.get("n") or 1) > 1:
             value, meta = self._gen_n(sp, lp)
-            self.append_text(value[0], gen.name)    # the text goes on with the first sample (SGLang)
+            self.append_text(value[0], gen.name)  # the text goes on with the first sample (SGLang)
         elif self._spec is not None and self._spec.serves(sp):
             value, meta = self._spec.take(self.text_, sp, lp, self.backend.generate)
             self.append_text(value, gen.name, keep_speculation=True)
@@ -426,8 +434,9 @@ class StreamExecutor:
 
     def _chat_turn(self) -> bool:
         """Whether a gen here is a chat backend's whole assistant reply (not a continuation)."""
-        return (self.backend.is_chat_model and self.cur_role == "assistant"
-                and self.cur_role_begin_pos == len(self.text_))
+        return (
+            self.backend.is_chat_model and self.cur_role == "assistant" and self.cur_role_begin_pos == len(self.text_)
+        )
 
     def _gen_one(self, name: str | None, sp: dict, lp: dict) -> tuple[str, dict]:
         """One sample, appended to the text as it comes (streamed, or where stop_regex applies)."""
@@ -449,10 +458,10 @@ class StreamExecutor:
             for cumulative, meta in pieces:
                 found = stopping.first_match_end(cumulative, regexes, since=len(text)) if regexes else None
                 if found is not None:
-                    cumulative, meta = cumulative[:found[0]], stopping.matched(meta, found[1])
+                    cumulative, meta = cumulative[: found[0]], stopping.matched(meta, found[1])
                 if name is not None:
-                    self.meta_info[name] = meta      # what text_async_iter(return_meta_data) reports
-                self.append_text(cumulative[len(text):], name)
+                    self.meta_info[name] = meta  # what text_async_iter(return_meta_data) reports
+                self.append_text(cumulative[len(text) :], name)
                 text = cumulative
                 if found is not None:
                     break
@@ -481,8 +490,10 @@ class StreamExecutor:
         if not sel.choices:
             raise ValueError("select needs at least one choice")
         if not self.backend.supports_logprobs:
-            raise NotImplementedError(f"{type(self.backend).__name__} cannot select by logprobs "
-                                      "(use a native backend: RuntimeEndpoint or EngineBackend)")
+            raise NotImplementedError(
+                f"{type(self.backend).__name__} cannot select by logprobs "
+                "(use a native backend: RuntimeEndpoint or EngineBackend)"
+            )
         method = sel.choices_method or "token_length_normalized"
         if callable(method):
             choice, meta = self._select_by_callable(sel, method)
@@ -496,8 +507,9 @@ class StreamExecutor:
         method = {"greedy_token_selection": "greedy_token"}.get(method, method)
         if method not in CHOICES_METHODS:
             raise ValueError(f"unknown choices_method {method!r}; use one of {CHOICES_METHODS}")
-        res = self.backend.score_choices(self.text_, list(sel.choices),
-                                         unconditional=method == "unconditional_likelihood_normalized")
+        res = self.backend.score_choices(
+            self.text_, list(sel.choices), unconditional=method == "unconditional_likelihood_normalized"
+        )
         lps = [[t[0] for t in triples if t[0] is not None] for triples in res["input_token_logprobs"]]
         normalized = [sum(x) / len(x) if x else -math.inf for x in lps]
         if method == "token_length_normalized":
@@ -512,8 +524,13 @@ class StreamExecutor:
             unc = [[t[0] for t in triples if t[0] is not None] for triples in res["unconditional_token_logprobs"]]
             scores = [(sum(c) - sum(u)) / len(c) if c else -math.inf for c, u in zip(lps, unc)]
             best = max(range(len(scores)), key=scores.__getitem__)
-        meta = {"normalized_prompt_logprobs": normalized, "scores": scores, "choices_method": method,
-                "input_token_logprobs": res["input_token_logprobs"], "output_token_logprobs": [[]] * len(lps)}
+        meta = {
+            "normalized_prompt_logprobs": normalized,
+            "scores": scores,
+            "choices_method": method,
+            "input_token_logprobs": res["input_token_logprobs"],
+            "output_token_logprobs": [[]] * len(lps),
+        }
         if "unconditional_token_logprobs" in res:
             meta["unconditional_token_logprobs"] = res["unconditional_token_logprobs"]
         return sel.choices[best], meta
@@ -524,11 +541,13 @@ class StreamExecutor:
         unconditional = bool(getattr(method, "requires_unconditional_logprobs", False))
         res = self.backend.score_choices(self.text_, list(sel.choices), unconditional=unconditional)
         lps = [[t[0] for t in triples if t[0] is not None] for triples in res["input_token_logprobs"]]
-        decision = method(choices=list(sel.choices),
-                          normalized_prompt_logprobs=[sum(x) / len(x) if x else -math.inf for x in lps],
-                          input_token_logprobs=res["input_token_logprobs"],
-                          output_token_logprobs=[[]] * len(lps),
-                          unconditional_token_logprobs=res.get("unconditional_token_logprobs"))
+        decision = method(
+            choices=list(sel.choices),
+            normalized_prompt_logprobs=[sum(x) / len(x) if x else -math.inf for x in lps],
+            input_token_logprobs=res["input_token_logprobs"],
+            output_token_logprobs=[[]] * len(lps),
+            unconditional_token_logprobs=res.get("unconditional_token_logprobs"),
+        )
         return decision.decision, dict(decision.meta_info or {})
 
     # --- separate_reasoning -------------------------------------------------------------------------
@@ -600,10 +619,10 @@ class ProgramState:
     def __init__(self, stream_executor: StreamExecutor):
         self.stream_executor = stream_executor
         self._program_error: BaseException | None = None
-        self.ret_value: Any = None        # what the program's body returned (SGLang's name)
+        self.ret_value: Any = None  # what the program's body returned (SGLang's name)
 
     def __iadd__(self, other: Any) -> "ProgramState":
-        if other is None:     # (None is also the executor's own end-of-program mark)
+        if other is None:  # (None is also the executor's own end-of-program mark)
             raise ValueError("Tried to append None to state.")
         self._append(other)
         return self
@@ -617,7 +636,7 @@ class ProgramState:
         elif isinstance(expr, ExprList):
             for item in expr.items:
                 self._append(item)
-        else:   # a role around a call
+        else:  # a role around a call
             self.stream_executor.submit(RoleBegin(expr.role))
             self._append(expr.content)
             self.stream_executor.submit(RoleEnd(expr.role))
@@ -700,8 +719,10 @@ class ProgramState:
     def fork(self, size: int = 1, position_ids_offset: list[int] | None = None) -> "ProgramStateGroup":
         """`size` copies of this state that run concurrently until `join()`."""
         if position_ids_offset is not None:
-            raise NotImplementedError("fork(position_ids_offset=...): plait forks continue the text as "
-                                      "it is; it does not shift the forks' position ids")
+            raise NotImplementedError(
+                "fork(position_ids_offset=...): plait forks continue the text as "
+                "it is; it does not shift the forks' position ids"
+            )
         context.start_pending()
         return ProgramStateGroup([ProgramState(c) for c in self.stream_executor.fork(int(size))], self)
 
@@ -775,7 +796,7 @@ class ProgramStateGroup:
         """`forks += expr` appends the same expression (or one per state, from a list) to each."""
         if isinstance(other, (list, tuple)):
             items = other
-        elif callable(other) and not isinstance(other, Expr):    # SGLang's `forks += lambda i: ...`
+        elif callable(other) and not isinstance(other, Expr):  # SGLang's `forks += lambda i: ...`
             items = [other(i) for i in range(len(self.states))]
         else:
             items = [other] * len(self.states)
@@ -805,8 +826,7 @@ class ProgramStateGroup:
                     if (name not in before or before[name] is not val) and name not in names:
                         names.append(name)
             for name in names:
-                parent.set_var(name, [ex.variables.get(name) for ex in execs],
-                               [ex.meta_info.get(name) for ex in execs])
+                parent.set_var(name, [ex.variables.get(name) for ex in execs], [ex.meta_info.get(name) for ex in execs])
             if mode == "concate_and_append":
                 parent.append_text("".join(ex.text_[start:] for ex in execs))
             for ex in execs:

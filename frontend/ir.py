@@ -1,4 +1,5 @@
 """The program IR: what `s += ...` appends. Expressions are plain data; the interpreter runs them."""
+
 from __future__ import annotations
 
 import json
@@ -38,16 +39,16 @@ class ExprList(Expr):
 @dataclass(eq=False)
 class Gen(Expr):
     name: str | None
-    params: dict = field(default_factory=dict)       # sampling keys set by the caller (None = default)
-    logprob: dict = field(default_factory=dict)      # return_logprob etc.
-    extra_stop: list[str] | None = None              # added to the stop strings in force (gen(dtype=int))
+    params: dict = field(default_factory=dict)  # sampling keys set by the caller (None = default)
+    logprob: dict = field(default_factory=dict)  # return_logprob etc.
+    extra_stop: list[str] | None = None  # added to the stop strings in force (gen(dtype=int))
 
 
 @dataclass(eq=False)
 class Select(Expr):
     name: str | None
     choices: list[str]
-    choices_method: Any = "token_length_normalized"    # a method's name, or an SGLang-style callable
+    choices_method: Any = "token_length_normalized"  # a method's name, or an SGLang-style callable
     temperature: float = 0.0
 
 
@@ -55,6 +56,7 @@ class Select(Expr):
 class SeparateReasoning(Expr):
     """After `expr` ran: split each named gen/select in it into its answer (the variable) and its
     reasoning (`<name>_reasoning_content`), by the model family's think markers."""
+
     model_type: str
     expr: Any
 
@@ -72,6 +74,7 @@ class RoleEnd(Expr):
 @dataclass(eq=False)
 class Role(Expr):
     """`user("hi")`: begin, content, end."""
+
     role: str
     content: Any = None
 
@@ -111,8 +114,8 @@ def schema_to_str(schema: Any) -> str | None:
         return schema
     if isinstance(schema, dict):
         return json.dumps(schema)
-    if isinstance(schema, type) and hasattr(schema, "model_json_schema"):   # pydantic v2
+    if isinstance(schema, type) and hasattr(schema, "model_json_schema"):  # pydantic v2
         return json.dumps(schema.model_json_schema())
-    if isinstance(schema, type) and hasattr(schema, "schema_json"):          # pydantic v1
+    if isinstance(schema, type) and hasattr(schema, "schema_json"):  # pydantic v1
         return schema.schema_json()
     raise TypeError(f"json_schema must be a dict, a JSON string or a pydantic model class, got {type(schema).__name__}")

@@ -1,6 +1,7 @@
 """Reasoning split for `separate_reasoning`: a reasoning model's output is its thinking between
 markers, then its answer. The model families and their markers are SGLang's (`--reasoning-parser`
 names); the split follows the same rules (see `split_reasoning`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -20,6 +20,7 @@ whole template cannot honour a constraint on one part of it. On the completion p
 stop string also runs on its own: where its value would end in the text written ahead is not
 known (SGLang cuts it after max_new_tokens characters, which splits tokens arbitrarily).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -44,8 +45,11 @@ def earliest_stop(text: str, stops: list[str]) -> int | None:
 
 def plain(sp: dict) -> bool:
     """Whether a gen with these settings may take its value from text written ahead."""
-    return (not any(sp.get(k) is not None for k in GRAMMAR_KEYS) and (sp.get("n") or 1) == 1
-            and not stop_list(sp.get("stop_regex")))
+    return (
+        not any(sp.get(k) is not None for k in GRAMMAR_KEYS)
+        and (sp.get("n") or 1) == 1
+        and not stop_list(sp.get("stop_regex"))
+    )
 
 
 class CompletionSpeculation:
@@ -61,7 +65,7 @@ class CompletionSpeculation:
     def fill(self, piece: str) -> None:
         """The program appended `piece`: consume it if it is what was written ahead."""
         if piece and self.text.startswith(piece):
-            self.text = self.text[len(piece):]
+            self.text = self.text[len(piece) :]
         elif piece:
             self.text = ""
 
@@ -69,8 +73,9 @@ class CompletionSpeculation:
         """Whether this gen is served from speculation (a plain gen ending at a stop string)."""
         return plain(sp) and bool(stop_list(sp.get("stop")))
 
-    def take(self, prompt: str, sp: dict, lp: dict,
-             generate: Callable[[str, dict, dict], tuple[str, dict]]) -> tuple[str, dict]:
+    def take(
+        self, prompt: str, sp: dict, lp: dict, generate: Callable[[str, dict, dict], tuple[str, dict]]
+    ) -> tuple[str, dict]:
         """The gen's value (up to its stop) and the meta of the call that wrote it ({} when the
         value came from text written by an earlier call)."""
         meta: dict = {}
@@ -97,7 +102,7 @@ class ChatSpeculation:
     def __init__(self, num_tokens: int):
         self.num_tokens = num_tokens
         self.items: list[Item] = []
-        self.sampling: dict | None = None      # the one call's settings, from the first gen
+        self.sampling: dict | None = None  # the one call's settings, from the first gen
         self._shared: dict = {}
 
     def add_fill(self, text: str) -> None:
@@ -110,15 +115,19 @@ class ChatSpeculation:
     def add_gen(self, gen: Any, sp: dict) -> None:
         """Hold a gen; its settings other than stop and length must agree with the role's others."""
         if not plain(sp):
-            raise NotImplementedError("with num_api_spec_tokens on a chat backend, a gen inside an assistant "
-                                      "role cannot have regex/json_schema/ebnf/dtype, n > 1 or stop_regex")
+            raise NotImplementedError(
+                "with num_api_spec_tokens on a chat backend, a gen inside an assistant "
+                "role cannot have regex/json_schema/ebnf/dtype, n > 1 or stop_regex"
+            )
         shared = {k: sp.get(k) for k in self._SHARED}
         if self.sampling is None:
             self.sampling = {**sp, "max_new_tokens": self.num_tokens, "stop": None, "stop_regex": None}
             self._shared = shared
         elif shared != self._shared:
-            raise ValueError("with num_api_spec_tokens, the gens of one assistant role must share their "
-                             f"sampling settings (got {self._shared} and {shared})")
+            raise ValueError(
+                "with num_api_spec_tokens, the gens of one assistant role must share their "
+                f"sampling settings (got {self._shared} and {shared})"
+            )
         self.items.append(("gen", gen, sp))
 
     def resolve(self, chat: Callable[[dict], tuple[str, dict]]) -> list[Item]:
@@ -134,11 +143,13 @@ class ChatSpeculation:
             if ok:
                 break
         else:
-            warnings.warn(f"API speculation: the model's reply did not fit the program's template in "
-                          f"{self.MAX_TRIES} tries; the gens that did not match are empty", RuntimeWarning,
-                          stacklevel=2)
-        return [("value", it[1], values.get(i, ""), meta) if it[0] == "gen" else it
-                for i, it in enumerate(self.items)]
+            warnings.warn(
+                f"API speculation: the model's reply did not fit the program's template in "
+                f"{self.MAX_TRIES} tries; the gens that did not match are empty",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return [("value", it[1], values.get(i, ""), meta) if it[0] == "gen" else it for i, it in enumerate(self.items)]
 
     def match(self, reply: str) -> tuple[dict[int, str], bool]:
         """Each gen's value by its index in `items` (those matched so far) and whether the whole
@@ -151,7 +162,7 @@ class ChatSpeculation:
             if it[0] == "fill":
                 if not rest.startswith(it[1]):
                     return values, False
-                rest = rest[len(it[1]):]
+                rest = rest[len(it[1]) :]
                 continue
             nxt = pieces[k + 1][1] if k + 1 < len(pieces) else None
             end = _gen_end(rest, stop_list(it[2].get("stop")), nxt)

@@ -6,6 +6,7 @@ applies this itself, on the text as it streams in, so it holds on every backend;
 also carries `stop_regex`, so plait's (and SGLang's) server stops generating there too instead of
 running on to max_tokens.
 """
+
 from __future__ import annotations
 
 import functools

@@ -13,6 +13,7 @@ matchers that fill packed vocabulary bitmasks, jump-forward text, and a compile 
 This package never imports plait.runtime or plait.frontend (runtime uses grammar, not the other
 way), and importing it does not import torch or any backend.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -24,9 +25,21 @@ from .cache import GrammarCache
 from .tokenizer_info import TokenizerInfo
 
 __all__ = [
-    "GrammarError", "GrammarSpec", "TokenizerInfo", "Grammar", "Matcher", "GrammarBackend",
-    "GrammarCache", "make_backend", "available_backends", "allocate_token_bitmask",
-    "apply_token_bitmask_", "canonical_json", "BACKENDS", "KINDS", "DEFAULT_BACKEND",
+    "GrammarError",
+    "GrammarSpec",
+    "TokenizerInfo",
+    "Grammar",
+    "Matcher",
+    "GrammarBackend",
+    "GrammarCache",
+    "make_backend",
+    "available_backends",
+    "allocate_token_bitmask",
+    "apply_token_bitmask_",
+    "canonical_json",
+    "BACKENDS",
+    "KINDS",
+    "DEFAULT_BACKEND",
 ]
 
 DEFAULT_BACKEND = "auto"
@@ -47,8 +60,11 @@ def tokenizer_info(tokenizer, vocab_size: int | None = None, eos_token_ids=None)
     """The TokenizerInfo of an HF tokenizer, built once per (tokenizer, vocab_size, eos ids)."""
     if isinstance(tokenizer, TokenizerInfo):
         return tokenizer
-    eos = None if eos_token_ids is None else (
-        (int(eos_token_ids),) if isinstance(eos_token_ids, int) else tuple(int(i) for i in eos_token_ids))
+    eos = (
+        None
+        if eos_token_ids is None
+        else ((int(eos_token_ids),) if isinstance(eos_token_ids, int) else tuple(int(i) for i in eos_token_ids))
+    )
     key = (id(tokenizer), vocab_size, eos)
     with _infos_lock:
         hit = _infos.get(key)
@@ -56,7 +72,7 @@ def tokenizer_info(tokenizer, vocab_size: int | None = None, eos_token_ids=None)
             return hit[1]
     info = TokenizerInfo(tokenizer, vocab_size, eos)
     with _infos_lock:
-        _infos[key] = (tokenizer, info)     # holds the tokenizer, so its id stays unique
+        _infos[key] = (tokenizer, info)  # holds the tokenizer, so its id stays unique
     return info
 
 
@@ -64,8 +80,7 @@ def _backend_class(name: str):
     try:
         module_name, cls_name, requirement = BACKENDS[name]
     except KeyError:
-        raise ValueError(f"unknown grammar backend {name!r}; expected one of "
-                         f"{', '.join([AUTO, *BACKENDS])}") from None
+        raise ValueError(f"unknown grammar backend {name!r}; expected one of {', '.join([AUTO, *BACKENDS])}") from None
     try:
         module = importlib.import_module(module_name, __name__)
     except ImportError as e:
@@ -85,8 +100,9 @@ def available_backends() -> list[str]:
     return out
 
 
-def make_backend(name: str | None, tokenizer, vocab_size: int | None = None, *,
-                 eos_token_ids=None, **options) -> GrammarBackend:
+def make_backend(
+    name: str | None, tokenizer, vocab_size: int | None = None, *, eos_token_ids=None, **options
+) -> GrammarBackend:
     """A grammar backend for an HF tokenizer (or a TokenizerInfo). `vocab_size` is the MODEL's
     vocabulary size (logits width). `options` go to the backend (json_whitespace="default" |
     "compact" | "any"; xgrammar and llguidance: strict_mode; xgrammar: max_threads, any_order; outlines: max_memory_mb,
@@ -97,6 +113,7 @@ def make_backend(name: str | None, tokenizer, vocab_size: int | None = None, *,
     name = name or DEFAULT_BACKEND
     if name == AUTO:
         from .auto_backend import ORDER, AutoBackend
+
         members = {n for kinds in ORDER.values() for n in kinds}
         backends = {n: _backend_class(n)(info, **options) for n in available_backends() if n in members}
         if not backends:
@@ -107,9 +124,11 @@ def make_backend(name: str | None, tokenizer, vocab_size: int | None = None, *,
 
 def allocate_token_bitmask(batch: int, vocab_size: int, **kw):
     from .bitmask import allocate_token_bitmask as f
+
     return f(batch, vocab_size, **kw)
 
 
 def apply_token_bitmask_(logits, bitmask) -> None:
     from .bitmask import apply_token_bitmask_ as f
+
     f(logits, bitmask)

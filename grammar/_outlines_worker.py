@@ -7,6 +7,7 @@ and writes a pickled reply to stdout: ("ok", regex, Index) or ("error", message)
 memory limit makes the Rust allocator abort (the parent sees SIGABRT) or raises MemoryError.
 Only the standard library and outlines_core are imported here: this runs per compile.
 """
+
 import os
 import pickle
 import resource
@@ -25,6 +26,7 @@ def _limit_memory(extra: int) -> None:
 def build(req: dict):
     from outlines_core import Index
     from outlines_core.json_schema import build_regex_from_schema
+
     if req["kind"] == "json_schema":
         try:
             regex = build_regex_from_schema(req["text"], req.get("whitespace"))

@@ -12,6 +12,7 @@ not implement before refusing a schema: see LLGuidanceBackend.compile; the engin
 every finished document.) Regexes, EBNF, choices and json_object go to xgrammar first
 (its masks are the cheapest per token); structural tags (xgrammar's format) to xgrammar alone.
 """
+
 from __future__ import annotations
 
 from .base import Grammar, GrammarBackend, GrammarError, GrammarSpec
@@ -23,13 +24,14 @@ ORDER = {
     "regex": ("xgrammar", "llguidance"),
     "ebnf": ("xgrammar", "llguidance"),
     "choice": ("xgrammar", "llguidance"),
-    "structural_tag": ("xgrammar",),    # xgrammar's own format
+    "structural_tag": ("xgrammar",),  # xgrammar's own format
 }
 
 
 class AutoBackend(GrammarBackend):
     """Tries the backends of `ORDER[spec.kind]` in turn; the first that compiles wins. A spec every
     backend refuses fails with all their reasons."""
+
     name = "auto"
 
     def __init__(self, backends: dict[str, GrammarBackend]) -> None:

@@ -3,6 +3,7 @@
 Nothing here imports torch or a grammar library, so `import plait.grammar` stays cheap (and the
 outlines compile worker, a separate process, never pays for torch).
 """
+
 from __future__ import annotations
 
 import json
@@ -25,14 +26,15 @@ def canonical_json(value: Any) -> str:
     """A canonical JSON string for a schema: keys sorted everywhere, except inside a
     `properties` mapping, whose order is kept (it is the order in which grammar backends make
     the model write the object's keys, so it is part of the meaning)."""
+
     def canon(v: Any, keep_order: bool = False) -> Any:
         if isinstance(v, dict):
             items = list(v.items()) if keep_order else sorted(v.items())
-            return {k: canon(x, keep_order=(k == "properties" and isinstance(x, dict)))
-                    for k, x in items}
+            return {k: canon(x, keep_order=(k == "properties" and isinstance(x, dict))) for k, x in items}
         if isinstance(v, (list, tuple)):
             return [canon(x) for x in v]
         return v
+
     return json.dumps(canon(value), ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
@@ -46,6 +48,7 @@ class GrammarSpec:
     tag (`{"type": "structural_tag", "format": {...}}`) as a JSON string: free text with
     constrained sections, such as tool calls that open with a trigger. Use the `from_*` constructors to build
     canonical specs (so that equal specs share a cache entry)."""
+
     kind: str
     spec: str | None = None
 
@@ -155,6 +158,7 @@ class Matcher(ABC):
 
 class Grammar(ABC):
     """A compiled grammar: immutable, shareable across requests and threads, cached by spec."""
+
     spec: GrammarSpec
     backend_name: str
     compile_time_s: float = 0.0
@@ -187,7 +191,7 @@ def decode_forced(data: bytes) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        return data[:e.start].decode("utf-8")
+        return data[: e.start].decode("utf-8")
 
 
 def clean_error(e: BaseException) -> str:

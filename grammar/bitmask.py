@@ -1,5 +1,6 @@
 """Packed vocabulary bitmasks: int32 [batch, ceil(V/32)], bit (t & 31) of word (t >> 5) = token t
 allowed — the layout xgrammar, outlines-core and llguidance all write."""
+
 from __future__ import annotations
 
 import functools
@@ -7,7 +8,7 @@ import os
 
 import torch
 
-_XGR_KERNEL: dict[str, bool] = {}   # device type -> xgrammar's kernel works there
+_XGR_KERNEL: dict[str, bool] = {}  # device type -> xgrammar's kernel works there
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -24,8 +25,9 @@ def checked_row(bitmask: torch.Tensor, row: int, width: int) -> torch.Tensor:
     [width] on the CPU."""
     r = bitmask[row]
     if r.shape[0] != width or r.dtype != torch.int32 or r.device.type != "cpu" or not r.is_contiguous():
-        raise ValueError(f"bitmask row must be contiguous int32 [{width}] on CPU, got "
-                         f"{r.dtype} {tuple(r.shape)} on {r.device}")
+        raise ValueError(
+            f"bitmask row must be contiguous int32 [{width}] on CPU, got {r.dtype} {tuple(r.shape)} on {r.device}"
+        )
     return r
 
 
@@ -63,11 +65,11 @@ def _apply_torch(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     runs on, so byte j of word w holds tokens 32w + 8j ... 32w + 8j + 7)."""
     vocab = logits.shape[1]
     n = min(vocab, bitmask.shape[1] * 32)
-    with torch.inference_mode():       # the model's logits are inference tensors
+    with torch.inference_mode():  # the model's logits are inference tensors
         table = _byte_bias(logits.dtype, logits.device)
         bias = table.index_select(0, bitmask.view(torch.uint8).reshape(-1).long()).view(bitmask.shape[0], -1)
         logits[:, :n].add_(bias[:, :n])
-        if vocab > n:                  # logits past the bitmask: never allowed
+        if vocab > n:  # logits past the bitmask: never allowed
             logits[:, n:] = float("-inf")
 
 
@@ -78,6 +80,7 @@ def _apply_xgrammar(logits: torch.Tensor, bitmask: torch.Tensor) -> bool:
         return False
     try:
         import xgrammar as xgr
+
         vocab = logits.shape[1]
         n = min(vocab, bitmask.shape[1] * 32)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=n)
@@ -86,7 +89,7 @@ def _apply_xgrammar(logits: torch.Tensor, bitmask: torch.Tensor) -> bool:
         _XGR_KERNEL[dev] = True
         return True
     except Exception:  # noqa: BLE001 — missing package, no kernel for this device / dtype
-        if dev in _XGR_KERNEL:   # it worked before on this device: a real error, not a missing kernel
+        if dev in _XGR_KERNEL:  # it worked before on this device: a real error, not a missing kernel
             raise
         _XGR_KERNEL[dev] = False
         return False
@@ -123,7 +126,7 @@ def set_token_bits(bitmask: torch.Tensor, row: int, token_ids, value: bool = Tru
         w, b = t >> 5, t & 31
         if w >= r.shape[0]:
             continue
-        bit = (1 << b) if b < 31 else -(1 << 31)          # int32 two's complement for bit 31
+        bit = (1 << b) if b < 31 else -(1 << 31)  # int32 two's complement for bit 31
         cur = int(r[w])
         r[w] = _to_int32((cur | bit) if value else (cur & ~bit))
 

@@ -1,4 +1,5 @@
 """GrammarCache: compiles specs off-thread, once per (backend, options, kind, spec)."""
+
 from __future__ import annotations
 
 import threading
@@ -16,7 +17,7 @@ def _settle(fut: Future, result=None, exc: BaseException | None = None) -> bool:
         else:
             fut.set_result(result)
         return True
-    except InvalidStateError:   # already settled (timed out first)
+    except InvalidStateError:  # already settled (timed out first)
         return False
 
 
@@ -33,8 +34,9 @@ class GrammarCache:
     - At most `max_entries` specs are kept (least recently used are dropped first).
     Do not cancel the returned Futures: they are shared between requests."""
 
-    def __init__(self, backend: GrammarBackend, *, max_workers: int = 2, compile_timeout_s: float = 30.0,
-                 max_entries: int = 1024) -> None:
+    def __init__(
+        self, backend: GrammarBackend, *, max_workers: int = 2, compile_timeout_s: float = 30.0, max_entries: int = 1024
+    ) -> None:
         self.backend = backend
         self.compile_timeout_s = float(compile_timeout_s)
         self.max_entries = int(max_entries)
@@ -75,8 +77,10 @@ class GrammarCache:
         if not fut.set_running_or_notify_cancel():
             return
         limit = self.compile_timeout_s
-        timer = threading.Timer(limit, lambda: _settle(
-            fut, exc=GrammarError(f"{self.backend.name}: compiling took longer than {limit:g} s")))
+        timer = threading.Timer(
+            limit,
+            lambda: _settle(fut, exc=GrammarError(f"{self.backend.name}: compiling took longer than {limit:g} s")),
+        )
         timer.daemon = True
         timer.start()
         t0 = time.perf_counter()

@@ -29,6 +29,7 @@ backend's business; the guard only chooses among what the backend allows.
   string whose `pattern` refuses the quote), the closing choices are preferred and the model
   picks among them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,15 +44,15 @@ from .schema_rewrite import resolve_local_ref
 if TYPE_CHECKING:  # pragma: no cover
     from .tokenizer_info import TokenizerInfo
 
-FRACTION_DIGITS = 17     # a float64 holds 15-17 significant decimal digits
-EXPONENT_DIGITS = 3      # a float64's exponent stays within +-308
-PROBE_FLOOR = 64         # the first estimate at the latest this many tokens before max_tokens
-PROBE_STEPS = 1024       # the walk's length limit (a longer close counts as this)
-PROBE_EVERY = 4          # re-estimate at least this many tokens apart
-CLOSING_MARGIN = 2       # tokens kept beyond the estimate, plus a quarter of it: the model can
-CLOSING_SHARE = 4        # deepen the document (open a nested object) between two estimates
-SOFT_FACTOR = 2          # within this many times the estimate (plus SOFT_EXTRA) of the end, the
-SOFT_EXTRA = 16          # closing choices are preferred: nothing new is opened that may not fit
+FRACTION_DIGITS = 17  # a float64 holds 15-17 significant decimal digits
+EXPONENT_DIGITS = 3  # a float64's exponent stays within +-308
+PROBE_FLOOR = 64  # the first estimate at the latest this many tokens before max_tokens
+PROBE_STEPS = 1024  # the walk's length limit (a longer close counts as this)
+PROBE_EVERY = 4  # re-estimate at least this many tokens apart
+CLOSING_MARGIN = 2  # tokens kept beyond the estimate, plus a quarter of it: the model can
+CLOSING_SHARE = 4  # deepen the document (open a nested object) between two estimates
+SOFT_FACTOR = 2  # within this many times the estimate (plus SOFT_EXTRA) of the end, the
+SOFT_EXTRA = 16  # closing choices are preferred: nothing new is opened that may not fit
 _CLOSERS = frozenset(b"}] \n\t")
 _WS = frozenset(b" \n\t\r")
 _SHORT_VALUES = frozenset({b"0", b'""', b"[]", b"{}", b"null", b"true", b"false"})
@@ -60,6 +61,7 @@ _SHORT_VALUES = frozenset({b"0", b'""', b"[]", b"{}", b"null", b"true", b"false"
 @dataclasses.dataclass(frozen=True)
 class JsonLimits:
     """The guard's bounds; 0 turns a bound off."""
+
     max_number_digits: int = 19
     max_string_length: int = 512
 
@@ -68,6 +70,7 @@ class JsonLimits:
 class _State:
     """Where the text so far stands, lexically (outside a string, `run` counts the current
     number's digits of part `part`: 0 integer, 1 fraction, 2 exponent)."""
+
     in_string: bool = False
     escape: bool = False
     str_len: int = 0
@@ -85,11 +88,11 @@ def _scan(s: _State, data: bytes) -> _State:
             if escape:
                 escape = False
                 str_len += 1
-            elif c == 0x5C:                      # backslash
+            elif c == 0x5C:  # backslash
                 escape = True
-            elif c == 0x22:                      # closing quote
+            elif c == 0x22:  # closing quote
                 in_string = False
-            elif c & 0xC0 != 0x80:               # a character starts (not a UTF-8 continuation byte)
+            elif c & 0xC0 != 0x80:  # a character starts (not a UTF-8 continuation byte)
                 str_len += 1
         elif c == 0x22:
             in_string, str_len, in_number, run = True, 0, False, 0
@@ -97,14 +100,14 @@ def _scan(s: _State, data: bytes) -> _State:
             if not in_number:
                 in_number, part, run = True, 0, 0
             run += 1
-        elif in_number and c == 0x2E:            # '.'
+        elif in_number and c == 0x2E:  # '.'
             part, run = 1, 0
-        elif in_number and c in (0x65, 0x45):    # 'e' / 'E'
+        elif in_number and c in (0x65, 0x45):  # 'e' / 'E'
             part, run = 2, 0
-        elif c == 0x2D and not in_number:        # a leading '-'
+        elif c == 0x2D and not in_number:  # a leading '-'
             in_number, part, run = True, 0, 0
         elif in_number and c in (0x2B, 0x2D) and part == 2:
-            pass                                 # the exponent's sign
+            pass  # the exponent's sign
         else:
             in_number, run = False, 0
             if c in (0x7B, 0x5B):
@@ -168,6 +171,7 @@ class GuardTables:
         import numpy as np
 
         from .bitmask import bitmask_width
+
         self.token_bytes = info.token_bytes
         width = bitmask_width(info.vocab_size)
         n = min(info.tokenizer_vocab_size, info.vocab_size)
@@ -194,7 +198,7 @@ class GuardTables:
             quote[e] = string_end[e] = closer[e] = True
         self._lead = lead
         self._shifts = torch.arange(32, dtype=torch.int64)
-        self.length = torch.from_numpy(length)           # bytes per token (0: special tokens)
+        self.length = torch.from_numpy(length)  # bytes per token (0: special tokens)
         self._shifts32 = torch.arange(32, dtype=torch.int32)
         self.quote = self._pack(quote)
         self.string_end = self._pack(string_end)
@@ -206,7 +210,7 @@ class GuardTables:
     def _pack(self, allowed) -> "torch.Tensor":
         bits = torch.from_numpy(allowed.reshape(-1, 32).astype("int64")) << self._shifts
         words = bits.sum(dim=1)
-        return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+        return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
     def longest(self, row: "torch.Tensor") -> int:
         """The allowed token of packed mask row `row` with the most bytes (the lowest id among
@@ -215,7 +219,7 @@ class GuardTables:
         words = row.nonzero().flatten()
         if not len(words):
             return -1
-        bits = (row[words].unsqueeze(-1) >> self._shifts32) & 1            # [words, 32]
+        bits = (row[words].unsqueeze(-1) >> self._shifts32) & 1  # [words, 32]
         ids = (words.unsqueeze(-1) * 32 + self._shifts32).flatten()
         lengths = torch.where(bits.flatten().bool(), self.length[ids], -1)
         return int(ids[lengths.argmax()])
@@ -235,28 +239,36 @@ def guard_tables(info: "TokenizerInfo") -> GuardTables:
 class JsonGuard(Matcher):
     """A JSON grammar's matcher with the length guards on its mask (see the module docstring)."""
 
-    def __init__(self, inner: Matcher, tables: GuardTables, limits: JsonLimits, max_tokens: int,
-                 schema: Any = None) -> None:
+    def __init__(
+        self, inner: Matcher, tables: GuardTables, limits: JsonLimits, max_tokens: int, schema: Any = None
+    ) -> None:
         self.inner = inner
         self.tables = tables
         self.max_tokens = max_tokens
-        self.number_caps = (limits.max_number_digits, min(limits.max_number_digits, FRACTION_DIGITS),
-                            EXPONENT_DIGITS) if limits.max_number_digits > 0 else None
-        self.string_cap = (max(limits.max_string_length, schema_string_bound(schema))
-                           if limits.max_string_length > 0 else 0)
+        self.number_caps = (
+            (limits.max_number_digits, min(limits.max_number_digits, FRACTION_DIGITS), EXPONENT_DIGITS)
+            if limits.max_number_digits > 0
+            else None
+        )
+        self.string_cap = (
+            max(limits.max_string_length, schema_string_bound(schema)) if limits.max_string_length > 0 else 0
+        )
         self.state = _State()
-        self._history: list[tuple] = []     # per accepted token: what rollback restores (_saved)
+        self._history: list[tuple] = []  # per accepted token: what rollback restores (_saved)
         self._scratch = torch.empty_like(tables.quote)
         self._probe = torch.empty(1, tables.quote.shape[0], dtype=torch.int32)
         # tokens left at the first estimate: soon enough for the schema's close, with room to spare
-        self._probe_at = min(max_tokens, PROBE_FLOOR + 2 * close_bound(schema)) if schema is not None \
+        self._probe_at = (
+            min(max_tokens, PROBE_FLOOR + 2 * close_bound(schema))
+            if schema is not None
             else min(max_tokens, PROBE_FLOOR)
-        self._need = 0                      # the last estimate of the shortest close
+        )
+        self._need = 0  # the last estimate of the shortest close
         self._closing_now = False
-        self._soft = False                  # within twice the estimate: closing choices preferred
+        self._soft = False  # within twice the estimate: closing choices preferred
         self._path: tuple[int, ...] | None = None  # while closing: the walk's tokens ...
-        self._step = 0                      # ... and how many of them are written
-        self._path_failed = False           # the walk found no close: closing tiers only
+        self._step = 0  # ... and how many of them are written
+        self._path_failed = False  # the walk found no close: closing tiers only
 
     def _tiers(self, s: _State, closing: bool) -> list["torch.Tensor"]:
         """The masks to narrow to in state `s`, in order of preference; the first that leaves a
@@ -350,7 +362,7 @@ class JsonGuard(Matcher):
             if self._path[self._step] == token_id:
                 self._step += 1
             else:
-                self._path = None            # off the walk (jump-forward): walk again from here
+                self._path = None  # off the walk (jump-forward): walk again from here
         if token_id < len(self.tables.token_bytes):
             self.state = _scan(self.state, self.tables.token_bytes[token_id])
         return True
@@ -361,7 +373,7 @@ class JsonGuard(Matcher):
         if closing and not self.inner.can_end() and (forced := self._next_forced()) is not None:
             r = bitmask[row]
             word, bit = divmod(forced, 32)
-            if (int(r[word]) >> bit) & 1:       # always, unless the grammar changed under the walk
+            if (int(r[word]) >> bit) & 1:  # always, unless the grammar changed under the walk
                 r.zero_()
                 r[word] = -(1 << 31) if bit == 31 else 1 << bit
                 return
@@ -378,15 +390,31 @@ class JsonGuard(Matcher):
     def rollback(self, n: int) -> None:
         self.inner.rollback(n)
         if n:
-            (self.state, self._probe_at, self._need, self._closing_now, self._soft, self._path,
-             self._step, self._path_failed) = self._history[-n]
+            (
+                self.state,
+                self._probe_at,
+                self._need,
+                self._closing_now,
+                self._soft,
+                self._path,
+                self._step,
+                self._path_failed,
+            ) = self._history[-n]
             del self._history[-n:]
 
     def _saved(self) -> tuple:
         """The guard's state before a token: a rollback (rejected drafts) restores all of it, so
         its masks depend on the accepted tokens alone, as without speculation."""
-        return (self.state, self._probe_at, self._need, self._closing_now, self._soft, self._path,
-                self._step, self._path_failed)
+        return (
+            self.state,
+            self._probe_at,
+            self._need,
+            self._closing_now,
+            self._soft,
+            self._path,
+            self._step,
+            self._path_failed,
+        )
 
     def forced_text(self) -> str:
         return self.inner.forced_text()

@@ -1,5 +1,6 @@
 """The llguidance backend (optional extra): Earley parser over a lazily built lexer; compiles JSON
 schemas, regexes (Rust syntax), Lark and GBNF grammars almost instantly."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,10 @@ try:
     import llguidance.hf
     from llguidance import LLMatcher
 except ImportError as e:  # pragma: no cover - exercised only without the package
-    raise ImportError("the llguidance grammar backend needs the `llguidance` package "
-                      "(pip install 'plait[llguidance]' or pip install llguidance)") from e
+    raise ImportError(
+        "the llguidance grammar backend needs the `llguidance` package "
+        "(pip install 'plait[llguidance]' or pip install llguidance)"
+    ) from e
 
 JSON_OPTIONS = {
     "default": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
@@ -32,6 +35,7 @@ JSON_OPTIONS = {
 LENIENT = {"coerce_one_of": True, "lenient": True}
 _APPROXIMABLE = re.compile(r"oneOf constraints are not supported|Unimplemented keys")
 
+
 class LLGuidanceBackend(GrammarBackend):
     name = "llguidance"
 
@@ -43,8 +47,12 @@ class LLGuidanceBackend(GrammarBackend):
         self.info = info
         self.json_whitespace = json_whitespace
         self.strict_mode = strict_mode
-        self.tokenizer = info.backend_state("llguidance.tokenizer", lambda: llguidance.hf.from_tokenizer(
-            info.tokenizer, n_vocab=info.vocab_size, eos_token=list(info.eos_token_ids)))
+        self.tokenizer = info.backend_state(
+            "llguidance.tokenizer",
+            lambda: llguidance.hf.from_tokenizer(
+                info.tokenizer, n_vocab=info.vocab_size, eos_token=list(info.eos_token_ids)
+            ),
+        )
         self.width = bitmask_width(info.vocab_size)
         self.eos_row = eos_only_row(info.vocab_size, info.eos_token_ids)
 
@@ -56,12 +64,15 @@ class LLGuidanceBackend(GrammarBackend):
         try:
             if spec.kind == "json_schema":
                 schema = spec.schema()
-                text = json.dumps(strict_schema(schema, close=self.strict_mode)) if isinstance(schema, dict) else spec.spec
+                text = (
+                    json.dumps(strict_schema(schema, close=self.strict_mode)) if isinstance(schema, dict) else spec.spec
+                )
                 options = {**JSON_OPTIONS[self.json_whitespace], **(LENIENT if lenient else {})}
                 return LLMatcher.grammar_from_json_schema(text, overrides=options)
             if spec.kind == "json_object":
-                return LLMatcher.grammar_from_json_schema('{"type": "object"}',
-                                                          overrides=JSON_OPTIONS[self.json_whitespace])
+                return LLMatcher.grammar_from_json_schema(
+                    '{"type": "object"}', overrides=JSON_OPTIONS[self.json_whitespace]
+                )
             if spec.kind == "regex":
                 return LLMatcher.grammar_from_regex(spec.spec)
             if spec.kind == "ebnf":

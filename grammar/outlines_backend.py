@@ -11,6 +11,7 @@ json.dumps' default style (", " / ": " only) cannot be expressed; "compact" (the
 allows none: `{"a":1,"b":[2,3]}`, the smallest DFA and the longest jump-forward text; "default"
 allows one optional space at each place (both compact and json.dumps' style match); "any"
 allows any run of whitespace."""
+
 from __future__ import annotations
 
 import os
@@ -30,14 +31,15 @@ from .tokenizer_info import TokenizerInfo
 try:
     from outlines_core import Guide, Index, Vocabulary
 except ImportError as e:  # pragma: no cover - exercised only without the package
-    raise ImportError("the outlines grammar backend needs the `outlines-core` package "
-                      "(pip install outlines-core interegular)") from e
+    raise ImportError(
+        "the outlines grammar backend needs the `outlines-core` package (pip install outlines-core interegular)"
+    ) from e
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_outlines_worker.py")
 WHITESPACE = {"default": r"[ ]?", "compact": "", "any": r"[\n\t ]*"}
 # Rust regex meta characters (regex-syntax's is_meta_character): escaping anything else is an error
 _META = set("\\.+*?()|[]{}^$#&-~")
-_FORCED_MAX_TOKENS = 512     # a state allowing more tokens than this forces nothing
+_FORCED_MAX_TOKENS = 512  # a state allowing more tokens than this forces nothing
 _FORCED_MAX_BYTES = 4096
 
 
@@ -68,8 +70,15 @@ def _vocabulary(info: TokenizerInfo) -> Vocabulary:
 class OutlinesBackend(GrammarBackend):
     name = "outlines"
 
-    def __init__(self, info: TokenizerInfo, *, json_whitespace: str = "compact",
-                 max_memory_mb: int = 4096, compile_timeout_s: float = 60.0, isolate: bool = True) -> None:
+    def __init__(
+        self,
+        info: TokenizerInfo,
+        *,
+        json_whitespace: str = "compact",
+        max_memory_mb: int = 4096,
+        compile_timeout_s: float = 60.0,
+        isolate: bool = True,
+    ) -> None:
         if json_whitespace not in WHITESPACE:
             raise ValueError(f"json_whitespace must be one of {tuple(WHITESPACE)}, got {json_whitespace!r}")
         self.info = info
@@ -78,10 +87,12 @@ class OutlinesBackend(GrammarBackend):
         self.compile_timeout_s = compile_timeout_s
         self.isolate = isolate
         self.vocab = info.backend_state("outlines.vocabulary", lambda: _vocabulary(info))
-        self._vocab_pickle = info.backend_state("outlines.vocabulary.pickle",
-                                                lambda: pickle.dumps(self.vocab, protocol=pickle.HIGHEST_PROTOCOL))
-        self.index_words = bitmask_width(max(i for i, _ in info.normal_tokens()) + 1
-                                         if info.tokenizer_vocab_size else 1)
+        self._vocab_pickle = info.backend_state(
+            "outlines.vocabulary.pickle", lambda: pickle.dumps(self.vocab, protocol=pickle.HIGHEST_PROTOCOL)
+        )
+        self.index_words = bitmask_width(
+            max(i for i, _ in info.normal_tokens()) + 1 if info.tokenizer_vocab_size else 1
+        )
         self.index_words = max(self.index_words, bitmask_width(info.eos_token_ids[0] + 1))
         self.width = bitmask_width(info.vocab_size)
         self.eos_row = eos_only_row(info.vocab_size, info.eos_token_ids)
@@ -99,8 +110,7 @@ class OutlinesBackend(GrammarBackend):
             spec.schema()
             req = {"kind": "json_schema", "text": spec.spec, "whitespace": WHITESPACE[self.json_whitespace]}
         elif spec.kind == "json_object":
-            req = {"kind": "json_schema", "text": '{"type": "object"}',
-                   "whitespace": WHITESPACE[self.json_whitespace]}
+            req = {"kind": "json_schema", "text": '{"type": "object"}', "whitespace": WHITESPACE[self.json_whitespace]}
         elif spec.kind == "choice":
             req = {"kind": "regex", "text": choices_regex(spec.choices())}
         else:
@@ -116,14 +126,20 @@ class OutlinesBackend(GrammarBackend):
 
     def _build_here(self, req: dict) -> tuple:
         from . import _outlines_worker
+
         return _outlines_worker.build(dict(req, vocab=self.vocab))
 
     def _build_isolated(self, req: dict, timeout: float) -> tuple:
         mem = int(self.max_memory_mb) << 20
         data = pickle.dumps(dict(req, mem_limit=mem, vocab=self.vocab), protocol=pickle.HIGHEST_PROTOCOL)
         env = dict(os.environ, MALLOC_ARENA_MAX="2", OMP_NUM_THREADS="1", RAYON_NUM_THREADS="1")
-        proc = subprocess.Popen([sys.executable, "-s", _WORKER], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-s", _WORKER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
         try:
             payload, err = proc.communicate(data, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -134,8 +150,11 @@ class OutlinesBackend(GrammarBackend):
         if rc != 0:
             text = err.decode("utf-8", "replace")
             if rc in (-signal.SIGABRT, -signal.SIGKILL, 3) or "memory" in text.lower():
-                return ("error", f"building the index went over the memory limit of {self.max_memory_mb} MiB "
-                                 "(the schema / regex makes too large a DFA)")
+                return (
+                    "error",
+                    f"building the index went over the memory limit of {self.max_memory_mb} MiB "
+                    "(the schema / regex makes too large a DFA)",
+                )
             return ("error", f"the index build failed (exit code {rc}): {text.strip()[-500:]}")
         try:
             return pickle.loads(payload)
@@ -242,7 +261,7 @@ class OutlinesMatcher(Matcher):
         r = checked_row(bitmask, row, b.width)
         self._guide.write_mask_into(r.data_ptr(), b.width, 4)
         if b.width > b.index_words:
-            r[b.index_words:].zero_()
+            r[b.index_words :].zero_()
         if len(g.eos_ids) > 1 and g.index.is_final_state(self._guide.get_state()):
             set_token_bits(bitmask, row, g.eos_ids[1:])
 

@@ -1,6 +1,7 @@
 """Rewrites of a JSON schema into one that llguidance enforces exactly, or a stricter one (a subset of
 the valid documents, never a superset): `oneOf` over `required` lists, `if`/`then`/`else` keyed on
 property values, `not` / `dependencies` that keep keys out, and strict mode's closed objects."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,19 @@ from typing import Any
 
 # keywords whose values are schemas (a dict), lists of schemas, or maps of name -> schema;
 # everything else (enum, const, default, examples, ...) is data and is left alone
-_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
-              "additionalProperties", "unevaluatedProperties", "unevaluatedItems")
+_SUBSCHEMA = (
+    "items",
+    "additionalItems",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "propertyNames",
+    "additionalProperties",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+)
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
@@ -26,9 +38,12 @@ def exclusive_required(branches: list) -> list | None:
     the branches are not of this form."""
     keys = []
     for b in branches:
-        if not (isinstance(b, dict) and isinstance(b.get("required"), list)
-                and all(k in ("required", *_ANNOTATIONS) for k in b)
-                and all(isinstance(k, str) for k in b["required"])):
+        if not (
+            isinstance(b, dict)
+            and isinstance(b.get("required"), list)
+            and all(k in ("required", *_ANNOTATIONS) for k in b)
+            and all(isinstance(k, str) for k in b["required"])
+        ):
             return None
         keys.append(set(b["required"]))
     out = []
@@ -67,8 +82,10 @@ def _condition(node: Any) -> dict[str, list] | None:
 
 def _disjoint(a: dict[str, list], b: dict[str, list]) -> bool:
     """Whether no document meets both conditions: some key is pinned to values that never meet."""
-    return any(not ({json.dumps(v, sort_keys=True) for v in a[k]} & {json.dumps(v, sort_keys=True) for v in b[k]})
-               for k in a.keys() & b.keys())
+    return any(
+        not ({json.dumps(v, sort_keys=True) for v in a[k]} & {json.dumps(v, sort_keys=True) for v in b[k]})
+        for k in a.keys() & b.keys()
+    )
 
 
 def _only(node: Any, keys: tuple[str, ...]) -> bool:
@@ -142,7 +159,7 @@ def _moved_refs(node: Any, moves: list[tuple[str, str]]) -> Any:
     if isinstance(ref, str):
         for old, new in moves:
             if ref == old or ref.startswith(old + "/"):
-                out["$ref"] = new + ref[len(old):]
+                out["$ref"] = new + ref[len(old) :]
                 break
     return out
 
@@ -164,21 +181,23 @@ def conditional_branches(node: dict, root: Any = None, path: str = "#") -> dict 
         return None
     cases, (otherwise, otherwise_at), rest = found
     conds = [c for c, _, _ in cases]
-    if any(not _disjoint(a, b) for i, a in enumerate(conds) for b in conds[i + 1:]):
+    if any(not _disjoint(a, b) for i, a in enumerate(conds) for b in conds[i + 1 :]):
         return None
     root = node if root is None else root
     anyof_at = f"{path}/allOf/{len(rest)}/anyOf"
     moves = [(f"{path}{at}", f"{path}/allOf/{i}") for i, (_, at) in enumerate(rest)]
 
     def pinned(cond: dict[str, list]) -> dict:
-        return {"type": "object", "required": sorted(cond),
-                "properties": {k: {"enum": v} for k, v in cond.items()}}
+        return {"type": "object", "required": sorted(cond), "properties": {k: {"enum": v} for k, v in cond.items()}}
 
     def branch(cond: dict[str, list], then: Any, at: str) -> dict:
         if then in ({}, True):
             return pinned(cond)
-        if _only(then, ("$ref",)) and isinstance(then.get("$ref"), str) and isinstance(
-                target := resolve_local_ref(root, then["$ref"]), dict):
+        if (
+            _only(then, ("$ref",))
+            and isinstance(then.get("$ref"), str)
+            and isinstance(target := resolve_local_ref(root, then["$ref"]), dict)
+        ):
             then = target
         else:
             moves.append((f"{path}{at}", f"{anyof_at}/{len(branches)}/allOf/1"))
@@ -190,8 +209,13 @@ def conditional_branches(node: dict, root: Any = None, path: str = "#") -> dict 
     props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
     for key in set.intersection(*(set(c) for c in conds)):
         sub = props.get(key)
-        values = ([sub["const"]] if isinstance(sub, dict) and "const" in sub
-                  else sub.get("enum") if isinstance(sub, dict) and isinstance(sub.get("enum"), list) else None)
+        values = (
+            [sub["const"]]
+            if isinstance(sub, dict) and "const" in sub
+            else sub.get("enum")
+            if isinstance(sub, dict) and isinstance(sub.get("enum"), list)
+            else None
+        )
         taken = {json.dumps(v, sort_keys=True) for c in conds for v in c[key]}
         left = [v for v in values or () if json.dumps(v, sort_keys=True) not in taken]
         if left:
@@ -199,7 +223,7 @@ def conditional_branches(node: dict, root: Any = None, path: str = "#") -> dict 
             break
     out = {k: v for k, v in node.items() if k not in ("if", "then", "else", "allOf")}
     out["allOf"] = [*(item for item, _ in rest), {"anyOf": branches}]
-    moves.sort(key=lambda m: -len(m[0]))      # the deepest first: a then inside a moved else
+    moves.sort(key=lambda m: -len(m[0]))  # the deepest first: a then inside a moved else
     return _moved_refs(out, moves)
 
 
@@ -213,10 +237,14 @@ def _into_branches(node: dict, key: str, dep: Any) -> bool:
     for keyword in ("oneOf", "anyOf"):
         branches = node.get(keyword)
         if isinstance(branches, list) and any(
-                isinstance(b, dict) and key in (b.get("required") or ()) for b in branches):
+            isinstance(b, dict) and key in (b.get("required") or ()) for b in branches
+        ):
             node[keyword] = [
-                {"allOf": [b, dep]} if isinstance(b, dict) and key in (b.get("required") or ())
-                else {"allOf": [b, {"properties": {key: False}}]} for b in branches]
+                {"allOf": [b, dep]}
+                if isinstance(b, dict) and key in (b.get("required") or ())
+                else {"allOf": [b, {"properties": {key: False}}]}
+                for b in branches
+            ]
             return True
     return False
 
@@ -233,8 +261,13 @@ def absent_keys(node: dict) -> dict | bool:
     forbidden: list[str] = []
     extra_schemas: list[Any] = []
     sub = out.get("not")
-    if (isinstance(sub, dict) and set(sub) == {"required"} and isinstance(sub["required"], list)
-            and sub["required"] and all(isinstance(k, str) for k in sub["required"])):
+    if (
+        isinstance(sub, dict)
+        and set(sub) == {"required"}
+        and isinstance(sub["required"], list)
+        and sub["required"]
+        and all(isinstance(k, str) for k in sub["required"])
+    ):
         del out["not"]
         forbidden.append(sub["required"][0])
     required = set(out.get("required", ())) if isinstance(out.get("required"), list) else set()
@@ -285,19 +318,25 @@ def strict_schema(node, in_all_of: bool = False, close: bool = True, *, root: An
         elif k in _SUBSCHEMA_LISTS and isinstance(v, list):
             out[k] = [strict_schema(x, close=close, root=root, path=f"{at}/{i}") for i, x in enumerate(v)]
         elif k == "allOf" and isinstance(v, list):
-            out[k] = [strict_schema(x, in_all_of=True, close=close, root=root, path=f"{at}/{i}")
-                      for i, x in enumerate(v)]
+            out[k] = [
+                strict_schema(x, in_all_of=True, close=close, root=root, path=f"{at}/{i}") for i, x in enumerate(v)
+            ]
         elif k in _SUBSCHEMA_MAPS and isinstance(v, dict):
-            out[k] = {name: strict_schema(x, close=close, root=root, path=f"{at}/{_escape(name)}")
-                      for name, x in v.items()}
+            out[k] = {
+                name: strict_schema(x, close=close, root=root, path=f"{at}/{_escape(name)}") for name, x in v.items()
+            }
         else:
             out[k] = v
     if not close:
         return out
     props = node.get("properties")
-    if (not in_all_of and isinstance(props, dict) and "allOf" not in node
-            # a required key the properties do not declare stays writable (closing would make it unsatisfiable)
-            and all(k in props for k in node.get("required", ()) if isinstance(k, str))
-            and not any(k in node for k in ("additionalProperties", "unevaluatedProperties", "patternProperties"))):
+    if (
+        not in_all_of
+        and isinstance(props, dict)
+        and "allOf" not in node
+        # a required key the properties do not declare stays writable (closing would make it unsatisfiable)
+        and all(k in props for k in node.get("required", ()) if isinstance(k, str))
+        and not any(k in node for k in ("additionalProperties", "unevaluatedProperties", "patternProperties"))
+    ):
         out["additionalProperties"] = False
     return out

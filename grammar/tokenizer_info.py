@@ -9,6 +9,7 @@
 - backend_state(key, factory): per-backend objects built lazily from the above and cached here
   (xgrammar's TokenizerInfo, outlines' Vocabulary, llguidance's LLTokenizer).
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,7 @@ _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table used by byte-level BPE vocabularies."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -56,13 +56,15 @@ def _decoder_kinds(tokenizer) -> set[str]:
         elif isinstance(d, list):
             for v in d:
                 walk(v)
+
     walk(dec)
     return kinds
 
 
 class TokenizerInfo:
-    def __init__(self, tokenizer, vocab_size: int | None = None,
-                 eos_token_ids: Sequence[int] | int | None = None) -> None:
+    def __init__(
+        self, tokenizer, vocab_size: int | None = None, eos_token_ids: Sequence[int] | int | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         vocab = tokenizer.get_vocab()
         self.tokenizer_vocab_size = max(len(vocab), max(vocab.values()) + 1) if vocab else len(tokenizer)
@@ -105,7 +107,7 @@ class TokenizerInfo:
         self._key_locks: dict[Any, threading.Lock] = {}
 
     def _token_to_bytes(self, i: int, token: str) -> bytes:
-        if i in self._added:                       # added tokens are stored as their text
+        if i in self._added:  # added tokens are stored as their text
             return self._added[i].encode("utf-8")
         if self.vocab_type == "byte_level":
             try:
@@ -146,5 +148,7 @@ class TokenizerInfo:
             return value
 
     def __repr__(self) -> str:
-        return (f"TokenizerInfo(vocab_size={self.vocab_size}, tokenizer_vocab_size={self.tokenizer_vocab_size}, "
-                f"type={self.vocab_type}, eos={list(self.eos_token_ids)}, special={len(self.special_token_ids)})")
+        return (
+            f"TokenizerInfo(vocab_size={self.vocab_size}, tokenizer_vocab_size={self.tokenizer_vocab_size}, "
+            f"type={self.vocab_type}, eos={list(self.eos_token_ids)}, special={len(self.special_token_ids)})"
+        )

@@ -3,6 +3,7 @@
 JSON is generated in json.dumps' default style (", " and ": " separators, one line) unless the
 backend is built with json_whitespace="compact" (",", ":") or "any" (any whitespace: flexible
 but lets small models loop on whitespace)."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,7 @@ from .tokenizer_info import TokenizerInfo
 try:
     import xgrammar as xgr
 except ImportError as e:  # pragma: no cover - exercised only without the package
-    raise ImportError("the xgrammar grammar backend needs the `xgrammar` package "
-                      "(pip install xgrammar)") from e
+    raise ImportError("the xgrammar grammar backend needs the `xgrammar` package (pip install xgrammar)") from e
 
 JSON_WHITESPACE = ("default", "compact", "any")
 
@@ -27,8 +27,9 @@ def _xgr_tokenizer_info(info: TokenizerInfo) -> "xgr.TokenizerInfo":
     """xgrammar's TokenizerInfo with our special tokens blanked out (xgrammar treats an empty
     token as special: never allowed), so that control tokens such as <|im_start|> cannot appear
     inside constrained text; the EOS tokens are xgrammar's stop tokens."""
-    detected = xgr.TokenizerInfo.from_huggingface(info.tokenizer, vocab_size=info.vocab_size,
-                                                  stop_token_ids=list(info.eos_token_ids))
+    detected = xgr.TokenizerInfo.from_huggingface(
+        info.tokenizer, vocab_size=info.vocab_size, stop_token_ids=list(info.eos_token_ids)
+    )
     encoded = [""] * info.vocab_size
     for token, i in info.tokenizer.get_vocab().items():
         if 0 <= i < info.vocab_size:
@@ -37,16 +38,27 @@ def _xgr_tokenizer_info(info: TokenizerInfo) -> "xgr.TokenizerInfo":
     for i in info.special_token_ids:
         if i not in eos:
             encoded[i] = ""
-    return xgr.TokenizerInfo(encoded, detected.vocab_type, vocab_size=info.vocab_size,
-                             stop_token_ids=list(info.eos_token_ids),
-                             add_prefix_space=detected.add_prefix_space)
+    return xgr.TokenizerInfo(
+        encoded,
+        detected.vocab_type,
+        vocab_size=info.vocab_size,
+        stop_token_ids=list(info.eos_token_ids),
+        add_prefix_space=detected.add_prefix_space,
+    )
 
 
 class XGrammarBackend(GrammarBackend):
     name = "xgrammar"
 
-    def __init__(self, info: TokenizerInfo, *, max_threads: int = 2, json_whitespace: str = "default",
-                 strict_mode: bool = True, any_order: bool = False) -> None:
+    def __init__(
+        self,
+        info: TokenizerInfo,
+        *,
+        max_threads: int = 2,
+        json_whitespace: str = "default",
+        strict_mode: bool = True,
+        any_order: bool = False,
+    ) -> None:
         if json_whitespace not in JSON_WHITESPACE:
             raise ValueError(f"json_whitespace must be one of {JSON_WHITESPACE}, got {json_whitespace!r}")
         self.info = info
@@ -74,9 +86,10 @@ class XGrammarBackend(GrammarBackend):
         t0 = time.perf_counter()
         try:
             if spec.kind == "json_schema":
-                spec.schema()            # a readable error for invalid JSON
+                spec.schema()  # a readable error for invalid JSON
                 compiled = self.compiler.compile_json_schema(
-                    spec.spec, strict_mode=self.strict_mode, any_order=self.any_order, **self._json_kwargs())
+                    spec.spec, strict_mode=self.strict_mode, any_order=self.any_order, **self._json_kwargs()
+                )
             elif spec.kind == "json_object":
                 compiled = self.compiler.compile_builtin_json_grammar()
             elif spec.kind == "regex":
@@ -142,7 +155,7 @@ class XGrammarMatcher(Matcher):
         return False
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
-        if self._m.is_terminated():      # nothing may follow; keep EOS so that the row is not empty
+        if self._m.is_terminated():  # nothing may follow; keep EOS so that the row is not empty
             bitmask[row].copy_(self._g.backend.eos_row[0])
             return
         self._m.fill_next_token_bitmask(bitmask, row)
@@ -157,7 +170,7 @@ class XGrammarMatcher(Matcher):
         if not m.is_completed():
             return False
         version, only = self._only_eos_at
-        if version != self._version:    # complete: is anything but EOS still allowed?
+        if version != self._version:  # complete: is anything but EOS still allowed?
             if self._scratch is None:
                 self._scratch = allocate_token_bitmask(1, self._g.vocab_size)
             m.fill_next_token_bitmask(self._scratch, 0)

@@ -8,6 +8,7 @@ hold-back, which work on each request's accumulated text. Callers submit request
 result objects shaped as in the native protocol (`shared/protocol.md`), whole, streamed, or
 awaited.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -45,7 +46,7 @@ class RequestState:
         self.params = params
         self.tokenizer = tokenizer
         self.with_text = return_text_in_logprobs
-        self.full_text = ""   # detokenized, before stop trimming and hold-back
+        self.full_text = ""  # detokenized, before stop trimming and hold-back
         self.output_ids: list[int] = []
         self.finish_reason: dict | None = None
         self.prompt_tokens = 0
@@ -53,9 +54,9 @@ class RequestState:
         self.meta_logprobs: dict[str, list] = {}
         self.embedding: list[float] | None = None
         self.start = time.perf_counter()
-        self.resamples_left = 0      # set by the engine: invalid JSON documents it may sample again
+        self.resamples_left = 0  # set by the engine: invalid JSON documents it may sample again
         self.resampled = 0
-        self.resample = False        # set when this state wants its request sent again
+        self.resample = False  # set when this state wants its request sent again
 
     @property
     def finished(self) -> bool:
@@ -75,13 +76,17 @@ class RequestState:
         if out.embedding is not None:
             self.embedding = out.embedding
         reason = out.finish_reason
-        self.full_text += out.text_delta   # EOS / stop-token ids are already left out of it
+        self.full_text += out.text_delta  # EOS / stop-token ids are already left out of it
         for key in ("input_logprobs", "input_top_logprobs", "output_logprobs", "output_top_logprobs"):
             val = getattr(out, key)
             if val is not None:
                 self.meta_logprobs.setdefault(_meta_key(key), []).extend(val)
-        if (reason is not None and reason.get("type") == "stop" and self.params.json_schema is not None
-                and not isinstance(reason.get("matched"), str)):   # not cut by the caller's own stop string
+        if (
+            reason is not None
+            and reason.get("type") == "stop"
+            and self.params.json_schema is not None
+            and not isinstance(reason.get("matched"), str)
+        ):  # not cut by the caller's own stop string
             problem = schema_violation(self.params.json_schema, self.text())
             if problem is not None and self.resamples_left > 0:
                 # a keyword the grammar only approximated: another sample, not an error, while allowed
@@ -99,7 +104,7 @@ class RequestState:
             return text
         if self.finished:
             return text if self.params.no_stop_trim else trim_stop(text, stops)
-        return text[:len(text) - stop_holdback(text, stops)] if streaming else text
+        return text[: len(text) - stop_holdback(text, stops)] if streaming else text
 
     def result(self, streaming: bool = False) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -111,7 +116,7 @@ class RequestState:
             "e2e_latency": time.perf_counter() - self.start,
         }
         if self.resampled:
-            meta["json_resampled"] = self.resampled   # documents discarded for breaking the schema
+            meta["json_resampled"] = self.resampled  # documents discarded for breaking the schema
         for key, val in self.meta_logprobs.items():
             meta[key] = [self._triples(v) for v in val] if key.endswith("top_logprobs") else self._triples(val)
         if self.embedding is not None:
@@ -146,9 +151,11 @@ class Engine:
         # `_inheriting`: a spawned process is importing the main module; an unguarded script that
         # makes an Engine at import time would otherwise try to start a scheduler from inside ours.
         if me.daemon or getattr(me, "_inheriting", False):
-            raise RuntimeError("plait.Engine cannot be created in a daemonic process or while a spawned "
-                               "process imports the main module; if a script creates it at import time, "
-                               "put that under `if __name__ == '__main__':`")
+            raise RuntimeError(
+                "plait.Engine cannot be created in a daemonic process or while a spawned "
+                "process imports the main module; if a script creates it at import time, "
+                "put that under `if __name__ == '__main__':`"
+            )
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self.args = ServerArgs.from_kwargs(model=model, **server_args)
         logging.getLogger("plait").setLevel(self.args.log_level.upper())
@@ -157,10 +164,12 @@ class Engine:
         # so an unknown path or an unsupported architecture raises its ValueError directly.
         self.model_path: str = resolve_model(self.args.model, revision=self.args.revision)
         from .models import get_model_class  # imports torch: only when an engine is made
+
         config = load_config(self.model_path)
         get_model_class(config)
-        if self.args.speculative_draft_model:   # the draft model too, before the target loads
+        if self.args.speculative_draft_model:  # the draft model too, before the target loads
             from .speculative.draft_model import check_vocab_size
+
             draft_config = load_config(resolve_model(self.args.speculative_draft_model))
             get_model_class(draft_config)
             check_vocab_size(self.args.speculative_draft_model, draft_config.vocab_size, config.vocab_size)
@@ -170,7 +179,7 @@ class Engine:
         # Stops the process when the engine is collected or at exit; refers to the client only.
         self._finalizer = weakref.finalize(self, self._client.close)
         try:
-            self.tokenizer = load_tokenizer(self.model_path)   # while the child loads the model
+            self.tokenizer = load_tokenizer(self.model_path)  # while the child loads the model
             if chat_template is not None:
                 self.tokenizer.chat_template = chat_template
             self._info: dict[str, Any] = self._client.wait_ready()
@@ -180,16 +189,34 @@ class Engine:
         self._rng = random.Random(self.args.random_seed)
 
     # --- public API ------------------------------------------------------------------------
-    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
-                 input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
-                 logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                 return_text_in_logprobs: bool = False, stream: bool = False,
-                 rid: str | list[str] | None = None, _embed: bool = False) -> dict | list[dict] | Iterator[dict]:
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        return_text_in_logprobs: bool = False,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+        _embed: bool = False,
+    ) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (a result dict), a list (a list of results, n per item), or stream
         one prompt (an iterator of cumulative results)."""
-        batch, states, inputs = self._submit(prompt, sampling_params, input_ids, return_logprob,
-                                             logprob_start_len, top_logprobs_num, return_text_in_logprobs,
-                                             rid, stream, strict=True, embed=_embed)
+        batch, states, inputs = self._submit(
+            prompt,
+            sampling_params,
+            input_ids,
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+            return_text_in_logprobs,
+            rid,
+            stream,
+            strict=True,
+            embed=_embed,
+        )
         channel: queue.SimpleQueue = queue.SimpleQueue()
         self._register(inputs, channel.put)
         if stream:
@@ -206,18 +233,35 @@ class Engine:
         # a single prompt gives one result, or a list of n when it asks for n > 1
         return results if batch or len(results) > 1 else results[0]
 
-    async def async_generate(self, prompt: str | list[str] | None = None,
-                             sampling_params: dict | list[dict] | None = None,
-                             input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
-                             logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                             return_text_in_logprobs: bool = False, stream: bool = False,
-                             rid: str | list[str] | None = None,
-                             strict: bool = True, _embed: bool = False) -> dict | list[dict] | AsyncIterator[dict]:
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        return_text_in_logprobs: bool = False,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+        strict: bool = True,
+        _embed: bool = False,
+    ) -> dict | list[dict] | AsyncIterator[dict]:
         """Like `generate`, awaited; with `stream=True` returns an async iterator. `strict=False`
         ignores unknown sampling keys (the HTTP protocol's rule) instead of raising."""
-        batch, states, inputs = self._submit(prompt, sampling_params, input_ids, return_logprob,
-                                             logprob_start_len, top_logprobs_num, return_text_in_logprobs,
-                                             rid, stream, strict=strict, embed=_embed)
+        batch, states, inputs = self._submit(
+            prompt,
+            sampling_params,
+            input_ids,
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+            return_text_in_logprobs,
+            rid,
+            stream,
+            strict=strict,
+            embed=_embed,
+        )
         loop = asyncio.get_running_loop()
         channel: asyncio.Queue = asyncio.Queue()
         self._register(inputs, lambda out: loop.call_soon_threadsafe(channel.put_nowait, out))
@@ -236,16 +280,23 @@ class Engine:
         # a single prompt gives one result, or a list of n when it asks for n > 1
         return results if batch or len(results) > 1 else results[0]
 
-    def encode(self, prompt: str | list[str] | None = None, input_ids: list[int] | list[list[int]] | None = None,
-               rid: str | list[str] | None = None) -> dict | list[dict]:
+    def encode(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
+    ) -> dict | list[dict]:
         """Embeddings (SGLang's `encode`): for each prompt `{"embedding": [float], "meta_info"}`, the last
         prompt token's final hidden state, L2-normalized. Prefill-only requests through the same
         scheduler, batches and prefix cache as generation."""
         return self.generate(prompt, {"max_new_tokens": 0}, input_ids, rid=rid, _embed=True)
 
-    async def async_encode(self, prompt: str | list[str] | None = None,
-                           input_ids: list[int] | list[list[int]] | None = None,
-                           rid: str | list[str] | None = None) -> dict | list[dict]:
+    async def async_encode(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
+    ) -> dict | list[dict]:
         """`encode`, awaited."""
         return await self.async_generate(prompt, {"max_new_tokens": 0}, input_ids, rid=rid, _embed=True)
 
@@ -318,8 +369,20 @@ class Engine:
         self.shutdown()
 
     # --- internals -------------------------------------------------------------------------
-    def _submit(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                top_logprobs_num, return_text_in_logprobs, rid, stream, strict, embed=False):
+    def _submit(
+        self,
+        prompt,
+        sampling_params,
+        input_ids,
+        return_logprob,
+        logprob_start_len,
+        top_logprobs_num,
+        return_text_in_logprobs,
+        rid,
+        stream,
+        strict,
+        embed=False,
+    ):
         self._check_running()
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt (text) and input_ids")
@@ -349,23 +412,31 @@ class Engine:
         for ids, raw, item_rid in zip(ids_list, param_list, rids):
             params = SamplingParams.from_dict(raw, strict=strict)
             params.validate(self._info["vocab_size"])
-            params.grammar_spec()   # a malformed spec (e.g. a schema that is not JSON) fails here, as a ValueError
+            params.grammar_spec()  # a malformed spec (e.g. a schema that is not JSON) fails here, as a ValueError
             start = logprob_start_len
             if return_logprob and start == -1 and params.max_new_tokens == 0:
-                start = 0   # protocol: prefill-only calls score the whole prompt
+                start = 0  # protocol: prefill-only calls score the whole prompt
             base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
             for i in range(params.n):
                 r = item_rid if item_rid and params.n == 1 else (f"{item_rid}-{i}" if item_rid else uuid.uuid4().hex)
-                inputs.append(GenerateInput(rid=r, input_ids=list(ids), params=params, seed=base_seed + i,
-                                            return_logprob=return_logprob,
-                                            logprob_start_len=start if return_logprob else -1,
-                                            top_logprobs_num=top_logprobs_num if return_logprob else 0,
-                                            stream=stream, return_embedding=embed))
+                inputs.append(
+                    GenerateInput(
+                        rid=r,
+                        input_ids=list(ids),
+                        params=params,
+                        seed=base_seed + i,
+                        return_logprob=return_logprob,
+                        logprob_start_len=start if return_logprob else -1,
+                        top_logprobs_num=top_logprobs_num if return_logprob else 0,
+                        stream=stream,
+                        return_embedding=embed,
+                    )
+                )
                 state = RequestState(r, params, self.tokenizer, return_text_in_logprobs)
                 if params.json_schema and not stream and params.temperature > 0 and params.top_k != 1:
                     state.resamples_left = self.args.json_resample
-                if return_logprob:   # protocol: one triple per generated token, so [] for none
-                    state.meta_logprobs["output_token_logprobs"] = []   # (SGLang's select reads it)
+                if return_logprob:  # protocol: one triple per generated token, so [] for none
+                    state.meta_logprobs["output_token_logprobs"] = []  # (SGLang's select reads it)
                     if top_logprobs_num:
                         state.meta_logprobs["output_top_logprobs"] = []
                 states.append(state)
@@ -400,9 +471,10 @@ class Engine:
             return
         state.resample = False
         inp = next(i for i in inputs if i.rid == state.rid)
-        seed = (inp.seed + state.resampled * 0x9E3779B97F4A7C15) % 2 ** 62   # another stream, reproducibly
-        logger.info("request %s: its JSON document broke the schema; sampling again (%d left)",
-                    state.rid, state.resamples_left)
+        seed = (inp.seed + state.resampled * 0x9E3779B97F4A7C15) % 2**62  # another stream, reproducibly
+        logger.info(
+            "request %s: its JSON document broke the schema; sampling again (%d left)", state.rid, state.resamples_left
+        )
         self._register([msgspec.structs.replace(inp, seed=seed)], sink)
 
     def _register(self, inputs: list[GenerateInput], sink: Callable[[TokenOutput], None]) -> None:
@@ -438,6 +510,7 @@ def run_worker_node(args: ServerArgs) -> int:
     """`plait serve --node-rank K` (K > 0): run this node's tensor-parallel ranks, which join rank 0
     at `args.dist_init_addr` and follow its batches, until they exit; 0 when all stopped cleanly."""
     from .managers.scheduler_process import openmp_environ, tp_worker_processes
+
     args = dataclasses.replace(args, model=resolve_model(args.model, revision=args.revision))
     procs = tp_worker_processes(args, None, os.getpid())
     with openmp_environ(args):

@@ -7,6 +7,7 @@ The grammar backends enforce most schemas exactly, but some keywords only approx
 but does not validate must never come back as an ordinary "stop": the engine samples it again
 while `json_resample` allows, then ends the request as an abort whose message starts with
 `INVALID_OUTPUT` and names the failing keyword and path (the HTTP layer answers 500 with it)."""
+
 from __future__ import annotations
 
 import functools
@@ -18,6 +19,7 @@ INVALID_OUTPUT = "invalid output"
 @functools.lru_cache(maxsize=256)
 def _validator(schema_text: str):
     from jsonschema import validators
+
     schema = json.loads(schema_text)
     cls = validators.validator_for(schema)
     return cls(schema)
@@ -33,5 +35,7 @@ def schema_violation(schema_text: str, text: str) -> str | None:
     if error is None:
         return None
     where = "".join(f"[{p!r}]" for p in error.absolute_path) or "the root"
-    return (f"{INVALID_OUTPUT}: the generated document breaks the schema's '{error.validator}' at {where}: "
-            f"{error.message[:300]} (a keyword the grammar backend approximates; the document is withheld)")
+    return (
+        f"{INVALID_OUTPUT}: the generated document breaks the schema's '{error.validator}' at {where}: "
+        f"{error.message[:300]} (a keyword the grammar backend approximates; the document is withheld)"
+    )

@@ -1,4 +1,5 @@
 """A request inside the scheduler, and the typed messages that enter and leave it."""
+
 from __future__ import annotations
 
 import functools
@@ -11,12 +12,13 @@ from .sampling_params import SamplingParams
 
 class GenerateInput(msgspec.Struct, kw_only=True, tag=True):
     """A tokenized request, as the scheduler receives it (tagged: one of the ZeroMQ messages)."""
+
     rid: str
     input_ids: list[int]
     params: SamplingParams
     seed: int
     return_logprob: bool = False
-    logprob_start_len: int = -1          # first prompt position with an input logprob; -1: none
+    logprob_start_len: int = -1  # first prompt position with an input logprob; -1: none
     top_logprobs_num: int = 0
     # An embedding request (prefill only): its output carries the last prompt token's final hidden
     # state (after the last norm), L2-normalized, as decoder embedding models are pooled.
@@ -29,6 +31,7 @@ class GenerateInput(msgspec.Struct, kw_only=True, tag=True):
 
 class TokenOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What one step produced for one request: new tokens (and logprobs), and whether it finished."""
+
     rid: str
     new_ids: list[int]
     finish_reason: dict | None = None
@@ -50,21 +53,29 @@ class TokenOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def merged(self, later: "TokenOutput") -> "TokenOutput":
         """This output followed by `later` (of the same request), as one output."""
+
         def cat(a: list | None, b: list | None) -> list | None:
             return b if a is None else a if b is None else a + b
+
         return TokenOutput(
-            rid=self.rid, new_ids=self.new_ids + later.new_ids, finish_reason=later.finish_reason,
-            prompt_tokens=later.prompt_tokens, cached_tokens=later.cached_tokens,
+            rid=self.rid,
+            new_ids=self.new_ids + later.new_ids,
+            finish_reason=later.finish_reason,
+            prompt_tokens=later.prompt_tokens,
+            cached_tokens=later.cached_tokens,
             input_logprobs=cat(self.input_logprobs, later.input_logprobs),
             input_top_logprobs=cat(self.input_top_logprobs, later.input_top_logprobs),
             output_logprobs=cat(self.output_logprobs, later.output_logprobs),
             output_top_logprobs=cat(self.output_top_logprobs, later.output_top_logprobs),
             embedding=later.embedding if later.embedding is not None else self.embedding,
-            skip_special_tokens=self.skip_special_tokens if self.skip_special_tokens is not None
+            skip_special_tokens=self.skip_special_tokens
+            if self.skip_special_tokens is not None
             else later.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens
-            if self.spaces_between_special_tokens is not None else later.spaces_between_special_tokens,
-            text_delta=self.text_delta + later.text_delta)
+            if self.spaces_between_special_tokens is not None
+            else later.spaces_between_special_tokens,
+            text_delta=self.text_delta + later.text_delta,
+        )
 
 
 # How many trailing output tokens a `stop_regex` is searched in, each step. Checked every step, so a
@@ -85,12 +96,34 @@ class Req:
     cache (held by a lock on `last_node`), the rest by this request.
     """
 
-    __slots__ = ("rid", "origin_ids", "output_ids", "params", "seed", "return_logprob",
-                 "logprob_start_len", "top_logprobs_num", "row", "kv_len", "cached_len",
-                 "last_node", "cached_tokens", "finish_reason", "prefilled", "input_logprobs",
-                 "input_top_logprobs", "stop_tail_tokens", "stop_patterns", "arrival", "matcher", "num_draft",
-                 "return_embedding",
-                 "draft_source", "ngram", "ngram_length")
+    __slots__ = (
+        "rid",
+        "origin_ids",
+        "output_ids",
+        "params",
+        "seed",
+        "return_logprob",
+        "logprob_start_len",
+        "top_logprobs_num",
+        "row",
+        "kv_len",
+        "cached_len",
+        "last_node",
+        "cached_tokens",
+        "finish_reason",
+        "prefilled",
+        "input_logprobs",
+        "input_top_logprobs",
+        "stop_tail_tokens",
+        "stop_patterns",
+        "arrival",
+        "matcher",
+        "num_draft",
+        "return_embedding",
+        "draft_source",
+        "ngram",
+        "ngram_length",
+    )
 
     def __init__(self, inp: GenerateInput, arrival: int):
         self.rid = inp.rid
@@ -106,22 +139,22 @@ class Req:
         self.kv_len = 0
         self.cached_len = 0
         self.last_node = None
-        self.cached_tokens = -1                # reported once, at the first admission
+        self.cached_tokens = -1  # reported once, at the first admission
         self.finish_reason: dict | None = None
-        self.prefilled = False                 # prompt fully computed at least once
+        self.prefilled = False  # prompt fully computed at least once
         self.input_logprobs: list = []
         self.input_top_logprobs: list = []
         longest = max((len(s) for s in self.params.stop), default=0)
-        self.stop_tail_tokens = longest + 2    # a token is at least one character
+        self.stop_tail_tokens = longest + 2  # a token is at least one character
         self.stop_patterns = tuple(_compiled(p) for p in self.params.stop_regex)
-        if self.stop_patterns:                 # a regex match has no length bound: look further back
+        if self.stop_patterns:  # a regex match has no length bound: look further back
             self.stop_tail_tokens = max(self.stop_tail_tokens, STOP_REGEX_WINDOW)
         self.arrival = arrival
-        self.matcher = None                    # grammar matcher, when the request has a grammar
-        self.num_draft = 0                     # trailing output_ids proposed as drafts, not yet verified
-        self.draft_source = ""                 # who proposed them: "grammar" (jump-forward), "ngram" or "draft"
-        self.ngram = None                      # speculative.NgramIndex over fill_ids, made on first use
-        self.ngram_length = None               # speculative.DraftLength of its n-gram drafts, likewise
+        self.matcher = None  # grammar matcher, when the request has a grammar
+        self.num_draft = 0  # trailing output_ids proposed as drafts, not yet verified
+        self.draft_source = ""  # who proposed them: "grammar" (jump-forward), "ngram" or "draft"
+        self.ngram = None  # speculative.NgramIndex over fill_ids, made on first use
+        self.ngram_length = None  # speculative.DraftLength of its n-gram drafts, likewise
 
     @property
     def fill_ids(self) -> list[int]:
@@ -135,7 +168,7 @@ class Req:
     def fill_from(self, start: int) -> list[int]:
         """`fill_ids[start:]`, building only that (a decode step's: its last token)."""
         n = len(self.origin_ids)
-        return self.output_ids[start - n:] if start >= n else self.origin_ids[start:] + self.output_ids
+        return self.output_ids[start - n :] if start >= n else self.origin_ids[start:] + self.output_ids
 
     @property
     def wants_input_logprobs(self) -> bool:

@@ -4,6 +4,7 @@
 The grammar fields (`regex`, `json_schema`, `ebnf`, `choices`; at most one) are turned into
 a `plait.grammar.GrammarSpec` by `grammar_spec()`; the scheduler compiles and enforces it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +19,12 @@ from ..grammar.schema_rewrite import resolve_local_ref
 # Field kinds used by `validate` (and by `__post_init__` for normalisation).
 _INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n")
 _FLOAT_FIELDS = (
-    "temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+    "temperature",
+    "top_p",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
 )
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
 _STR_LIST_FIELDS = ("stop", "stop_regex")
@@ -70,7 +76,7 @@ class SamplingParams:
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
-    choices: list[str] | None = None   # plait extension: the output is exactly one of these
+    choices: list[str] | None = None  # plait extension: the output is exactly one of these
     structural_tag: str | None = None  # xgrammar's structural tag (JSON): free text with constrained sections
     # plait extensions: JSON output's length guards (None: the server's; 0: no bound)
     json_max_number_digits: int | None = None
@@ -92,11 +98,13 @@ class SamplingParams:
                 setattr(self, name, list(v))  # copy: never alias the caller's list
         if isinstance(self.stop_token_ids, (list, tuple, set, frozenset)):
             self.stop_token_ids = list(self.stop_token_ids)
-        if isinstance(self.json_schema, (dict, bool)):   # Python callers may pass the schema itself
+        if isinstance(self.json_schema, (dict, bool)):  # Python callers may pass the schema itself
             import json
+
             self.json_schema = json.dumps(self.json_schema)
         if isinstance(self.structural_tag, dict):
             import json
+
             self.structural_tag = json.dumps(self.structural_tag)
         if isinstance(self.choices, tuple):
             self.choices = list(self.choices)
@@ -132,8 +140,8 @@ class SamplingParams:
             raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
-                f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), "
-                f"got {self.min_new_tokens}")
+                f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}"
+            )
         t = float(self.temperature)
         if math.isnan(t):
             raise ValueError(f"temperature must be >= 0, got {t}")
@@ -193,8 +201,8 @@ class SamplingParams:
             if not _is_real(v):
                 raise ValueError(f"{name} must be a number, got {type(v).__name__} {v!r}")
             try:
-                setattr(self, name, float(v))   # an int 10**30 is a float for the wire and the sampler
-            except OverflowError:   # an int too large for a float
+                setattr(self, name, float(v))  # an int 10**30 is a float for the wire and the sampler
+            except OverflowError:  # an int too large for a float
                 raise ValueError(f"{name} is out of range, got {v}") from None
         for name in _BOOL_FIELDS:
             v = getattr(self, name)
@@ -217,22 +225,27 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
                 raise ValueError(f"{name} must be a string or None, got {type(v).__name__}")
-        if self.choices is not None and (not isinstance(self.choices, list) or not self.choices
-                                         or not all(isinstance(c, str) and c for c in self.choices)):
+        if self.choices is not None and (
+            not isinstance(self.choices, list)
+            or not self.choices
+            or not all(isinstance(c, str) and c for c in self.choices)
+        ):
             raise ValueError("choices must be a non-empty list of non-empty strings")
         given = [n for n in (*_OPT_STR_FIELDS, "choices") if getattr(self, n) is not None]
         if len(given) > 1:
-            raise ValueError(f"give at most one of regex, json_schema, ebnf, structural_tag, choices; "
-                             f"got {', '.join(given)}")
+            raise ValueError(
+                f"give at most one of regex, json_schema, ebnf, structural_tag, choices; got {', '.join(given)}"
+            )
 
     def grammar_spec(self):
         """The grammar this request is constrained to (a `plait.grammar.GrammarSpec`), or None.
         Raises `GrammarError` (a ValueError) for a spec that is not even well-formed."""
         from plait.grammar import GrammarError, GrammarSpec
+
         if self.json_schema is not None:
             spec = GrammarSpec.from_json_schema(self.json_schema)
             cycle = ref_cycle(spec.schema())
-            if cycle:   # some backends compile it to a grammar that admits nothing
+            if cycle:  # some backends compile it to a grammar that admits nothing
                 raise GrammarError(f"invalid grammar: json_schema: circular $ref with no schema content: {cycle}")
             return spec
         if self.regex is not None:
@@ -252,8 +265,9 @@ class SamplingParams:
 
 
 # Keys that do not constrain a value: a schema with only these and `$ref` is just the reference.
-_ANNOTATIONS = frozenset({"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description",
-                          "default", "examples"})
+_ANNOTATIONS = frozenset(
+    {"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description", "default", "examples"}
+)
 
 
 def ref_cycle(schema: Any) -> str | None:

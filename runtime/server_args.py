@@ -1,11 +1,12 @@
 """Engine and server arguments, shared by `plait.Engine(...)` and `plait serve`."""
+
 from __future__ import annotations
 
 import dataclasses
 import os
 from dataclasses import dataclass, field
 
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")   # dtype's (auto: the model's)
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # dtype's (auto: the model's)
 # kv_cache_dtype's: the model's dtypes and, as SGLang names them, 8-bit floats (no scales: SmolLM2's
 # K/V stay below 25 in magnitude, e4m3 holds up to 448); vLLM's "fp8" is fp8_e4m3
 FP8_KV_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
@@ -14,15 +15,16 @@ SCHEDULE_POLICIES = ("lpm", "fcfs")
 GRAMMAR_BACKENDS = ("auto", "xgrammar", "llguidance", "outlines")
 QUANTIZATIONS = ("int8", "int4", "fp8")
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")
-REASONING_PARSERS = ("qwen3", "deepseek-r1")   # <think> ... </think> (runtime/server/reasoning.py)
+REASONING_PARSERS = ("qwen3", "deepseek-r1")  # <think> ... </think> (runtime/server/reasoning.py)
 LOG_LEVELS = ("debug", "info", "warning", "error")
-PYTHON_ONLY = ("cuda_graph_eager",)   # fields with no `plait serve` flag (tests and debugging)
+PYTHON_ONLY = ("cuda_graph_eager",)  # fields with no `plait serve` flag (tests and debugging)
 
 
 def kv_cache_torch_dtype(name: str, model_dtype):
     """The torch dtype of a KV cache named `name` (one of KV_CACHE_DTYPE_CHOICES) under a model of
     `model_dtype`."""
     import torch
+
     if name == "auto":
         return model_dtype
     return getattr(torch, FP8_KV_DTYPES.get(name, name))
@@ -38,73 +40,103 @@ def option(default, help: str, choices: tuple | None = None):
 class ServerArgs:
     """Every engine option: `plait.Engine(**kwargs)` takes them as keyword arguments and
     `plait serve` as flags (`max_total_tokens` is `--max-total-tokens`)."""
+
     model: str = option("smollm2", "'smollm2' (default, bundled), a .gguf file, a HF folder or a hub id")
-    dtype: str = option("auto", "the weights' and activations' dtype (auto: the model's, float32 for a GGUF "
-                        "on the CPU)", DTYPE_CHOICES)
+    dtype: str = option(
+        "auto", "the weights' and activations' dtype (auto: the model's, float32 for a GGUF on the CPU)", DTYPE_CHOICES
+    )
     kv_cache_dtype: str = option(
-        "auto", "the KV cache's dtype (auto: the model's); bfloat16 under a float32 model halves the cache's "
+        "auto",
+        "the KV cache's dtype (auto: the model's); bfloat16 under a float32 model halves the cache's "
         "memory and what each decode step reads of it, fp8_e4m3 / fp8_e5m2 (8-bit floats, no scales; "
-        "fp8 = fp8_e4m3) halve a bfloat16 model's", KV_CACHE_DTYPE_CHOICES)
+        "fp8 = fp8_e4m3) halve a bfloat16 model's",
+        KV_CACHE_DTYPE_CHOICES,
+    )
     device: str = option("cpu", "cpu | cuda | cuda:N")
     reasoning_parser: str | None = option(
-        None, "chat answers' <think> ... </think> section goes to reasoning_content (streamed as its own "
+        None,
+        "chat answers' <think> ... </think> section goes to reasoning_content (streamed as its own "
         "deltas): qwen3 (a section when the output opens one), deepseek-r1 (the prompt opened it). Per request: "
-        "separate_reasoning false keeps it in the content", REASONING_PARSERS)
+        "separate_reasoning false keeps it in the content",
+        REASONING_PARSERS,
+    )
     chat_template: str | None = option(
-        None, "a chat template replacing the model's: the path of a Jinja file, or the template itself")
+        None, "a chat template replacing the model's: the path of a Jinja file, or the template itself"
+    )
     context_length: int | None = option(
-        None, "longest prompt + output in tokens (default: the model's max_position_embeddings)")
+        None, "longest prompt + output in tokens (default: the model's max_position_embeddings)"
+    )
     max_total_tokens: int | None = option(None, "KV pool size in tokens (default: from --kv-memory-fraction)")
     kv_memory_fraction: float = option(
-        0.15, "KV pool size as a fraction of available RAM (CPU) or free GPU memory, when --max-total-tokens "
-        "is unset")
+        0.15, "KV pool size as a fraction of available RAM (CPU) or free GPU memory, when --max-total-tokens is unset"
+    )
     max_running_requests: int = option(128, "requests decoded together at most (the rest wait)")
     chunked_prefill_size: int = option(1024, "prefill tokens per step; longer prompts are prefilled in chunks")
-    schedule_policy: str = option("lpm", "lpm: longest cached prefix first; fcfs: arrival order",
-                                  SCHEDULE_POLICIES)
+    schedule_policy: str = option("lpm", "lpm: longest cached prefix first; fcfs: arrival order", SCHEDULE_POLICIES)
     disable_radix_cache: bool = option(False, "no prefix sharing between requests (the naive cache)")
     disable_weight_prepack: bool = option(
-        False, "CPU: plain F.linear on one copy of the weights, instead of oneDNN's prepacked copy plus the "
-        "plain one for decode's GEMV (about twice the weights' memory)")
+        False,
+        "CPU: plain F.linear on one copy of the weights, instead of oneDNN's prepacked copy plus the "
+        "plain one for decode's GEMV (about twice the weights' memory)",
+    )
     enable_torch_compile: bool = option(False, "torch.compile the model step (attention stays eager)")
     disable_cuda_graph: bool = option(False, "CUDA: decode eagerly instead of replaying captured CUDA graphs")
     cuda_graph_max_bs: int | None = option(
-        None, "largest decode batch replayed from a CUDA graph (default min(max running requests, 64))")
+        None, "largest decode batch replayed from a CUDA graph (default min(max running requests, 64))"
+    )
     # tests / debugging: the graph runner's padded static decode without capture (also on the CPU)
     cuda_graph_eager: bool = False
     quantization: str | None = option(
-        None, "int8: per-channel int8 weights; int4: 4-bit weights in groups of 32 (GGUF Q4_1's scheme, exact "
-        "for Q4_1 models; LM head int8); fp8: CUDA sm90+ only (else int8)", QUANTIZATIONS)
+        None,
+        "int8: per-channel int8 weights; int4: 4-bit weights in groups of 32 (GGUF Q4_1's scheme, exact "
+        "for Q4_1 models; LM head int8); fp8: CUDA sm90+ only (else int8)",
+        QUANTIZATIONS,
+    )
     num_threads: int | None = option(None, "torch intra-op threads (default: all cores)")
     omp_spincount: int = option(
-        20000, "OpenMP busy-wait of the model's threads after each parallel region, in spin-loop iterations "
+        20000,
+        "OpenMP busy-wait of the model's threads after each parallel region, in spin-loop iterations "
         "(GOMP_SPINCOUNT; well under a millisecond): saves a thread wake-up on every matmul of a step. 0: "
         "sleep at once, for cores shared with other compute-heavy processes. GOMP_SPINCOUNT in the "
-        "environment wins")
+        "environment wins",
+    )
     random_seed: int | None = option(None, "seed of the sampler's generator (requests' own seeds win)")
     revision: str | None = option(None, "the hub revision (branch, tag or commit) of a hub --model")
     grammar_backend: str = option(
-        "auto", "constrained decoding backend (auto: llguidance for JSON schemas, xgrammar for the rest, each "
-        "falling back to the other)", GRAMMAR_BACKENDS)
+        "auto",
+        "constrained decoding backend (auto: llguidance for JSON schemas, xgrammar for the rest, each "
+        "falling back to the other)",
+        GRAMMAR_BACKENDS,
+    )
     grammar_compile_timeout: float = option(30.0, "seconds per grammar compile; a slower one fails its request")
-    disable_jump_forward: bool = option(
-        False, "sample grammar-forced text token by token instead of appending it")
+    disable_jump_forward: bool = option(False, "sample grammar-forced text token by token instead of appending it")
     json_max_number_digits: int = option(
-        19, "JSON output: at most this many digits in a number's integer part (its fraction at most 17, its "
-        "exponent 3); 0: no bound. Per request: json_max_number_digits")
+        19,
+        "JSON output: at most this many digits in a number's integer part (its fraction at most 17, its "
+        "exponent 3); 0: no bound. Per request: json_max_number_digits",
+    )
     json_max_string_length: int = option(
-        512, "JSON output: a string ends after this many characters unless the schema allows longer; 0: no "
-        "bound. Per request: json_max_string_length")
+        512,
+        "JSON output: a string ends after this many characters unless the schema allows longer; 0: no "
+        "bound. Per request: json_max_string_length",
+    )
     json_resample: int = option(
-        2, "a JSON-schema document that breaks its schema (a keyword the grammar only approximates) is sampled "
-        "again up to this many times before the request fails (non-streamed requests at temperature > 0)")
+        2,
+        "a JSON-schema document that breaks its schema (a keyword the grammar only approximates) is sampled "
+        "again up to this many times before the request fails (non-streamed requests at temperature > 0)",
+    )
     speculative_algorithm: str | None = option(
-        None, "ngram: prompt-lookup speculative decoding (drafts copied from prompt + output); draft: a smaller "
-        "draft model with the same tokenizer proposes (--speculative-draft-model)", SPECULATIVE_ALGORITHMS)
+        None,
+        "ngram: prompt-lookup speculative decoding (drafts copied from prompt + output); draft: a smaller "
+        "draft model with the same tokenizer proposes (--speculative-draft-model)",
+        SPECULATIVE_ALGORITHMS,
+    )
     speculative_draft_model: str | None = option(
-        None, "the draft model for --speculative-algorithm draft (any form --model accepts)")
+        None, "the draft model for --speculative-algorithm draft (any form --model accepts)"
+    )
     speculative_draft_quantization: str | None = option(
-        None, "quantize the draft model's weights (the methods of --quantization)")
+        None, "quantize the draft model's weights (the methods of --quantization)"
+    )
     speculative_draft_max_tokens: int = option(4096, "the draft model's KV pool in tokens")
     speculative_num_draft_tokens: int = option(8, "draft tokens proposed per step and request")
     speculative_ngram_min_match: int = option(1, "shortest suffix n-gram looked up")
@@ -114,35 +146,43 @@ class ServerArgs:
     nnodes: int = option(1, "nodes the --tp-size ranks span (tp_size / nnodes per node)")
     node_rank: int = option(0, "this node's index; node 0 serves HTTP, the others only run their ranks")
     dist_init_addr: str | None = option(
-        None, "HOST:PORT where node 0's rank 0 hosts the torch.distributed store (required with --nnodes > 1; "
-        "default: a free loopback port)")
-    dist_timeout: float = option(300.0, "seconds a tensor-parallel collective may wait on a silent rank before "
-                                 "failing")
+        None,
+        "HOST:PORT where node 0's rank 0 hosts the torch.distributed store (required with --nnodes > 1; "
+        "default: a free loopback port)",
+    )
+    dist_timeout: float = option(300.0, "seconds a tensor-parallel collective may wait on a silent rank before failing")
     log_level: str = option("warning", "logging level of the server and its processes", LOG_LEVELS)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, "
-                             f"got {self.kv_cache_dtype!r}")
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, got {self.kv_cache_dtype!r}"
+            )
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}")
         for name in ("max_running_requests", "chunked_prefill_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.grammar_backend not in GRAMMAR_BACKENDS:
-            raise ValueError(f"grammar_backend must be auto, xgrammar, outlines or llguidance, "
-                             f"got {self.grammar_backend!r}")
+            raise ValueError(
+                f"grammar_backend must be auto, xgrammar, outlines or llguidance, got {self.grammar_backend!r}"
+            )
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
-            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} (or unset), "
-                             f"got {self.reasoning_parser!r}")
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} (or unset), "
+                f"got {self.reasoning_parser!r}"
+            )
         if self.speculative_algorithm not in (None, *SPECULATIVE_ALGORITHMS):
-            raise ValueError(f"speculative_algorithm must be 'ngram' or 'draft' (or unset), "
-                             f"got {self.speculative_algorithm!r}")
+            raise ValueError(
+                f"speculative_algorithm must be 'ngram' or 'draft' (or unset), got {self.speculative_algorithm!r}"
+            )
         if self.speculative_algorithm == "draft" and not self.speculative_draft_model:
-            raise ValueError("speculative_algorithm 'draft' needs speculative_draft_model: a model name or folder "
-                             "that shares the target's tokenizer")
+            raise ValueError(
+                "speculative_algorithm 'draft' needs speculative_draft_model: a model name or folder "
+                "that shares the target's tokenizer"
+            )
         if self.speculative_draft_model and self.speculative_algorithm != "draft":
             raise ValueError("speculative_draft_model is only used with speculative_algorithm 'draft'")
         if self.speculative_algorithm == "draft" and self.tp_size > 1:
@@ -165,7 +205,7 @@ class ServerArgs:
             raise ValueError(f"omp_spincount must be >= 0, got {self.omp_spincount}")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError(f"max_total_tokens must be >= 2, got {self.max_total_tokens}")
-        if not 0 < self.kv_memory_fraction <= 0.9:   # the KV pool must leave room for the rest: no OOM kill
+        if not 0 < self.kv_memory_fraction <= 0.9:  # the KV pool must leave room for the rest: no OOM kill
             raise ValueError(f"kv_memory_fraction must be in (0, 0.9], got {self.kv_memory_fraction}")
 
         for name in ("tp_size", "nnodes"):
@@ -194,7 +234,7 @@ class ServerArgs:
         return cls(**kwargs)
 
 
-OPENMP_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")   # the variables set_openmp_defaults sets
+OPENMP_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # the variables set_openmp_defaults sets
 
 
 def set_openmp_defaults(spincount: int = ServerArgs.omp_spincount) -> None:

@@ -13,6 +13,7 @@
 
 Prints one PASS / FAIL line per check. Exit status: 0 all passed, 1 a check failed, 2 no CUDA device.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,10 +23,14 @@ import subprocess
 import sys
 import time
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Here is a list of three fruits:",
-           "Once upon a time, in a small village,"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n",
+    "Here is a list of three fruits:",
+    "Once upon a time, in a small village,",
+]
 MIN_CPU_PREFIX = 16
-MAX_TOKENS = 16384          # KV pool per runner: small, several runners share the GPU
+MAX_TOKENS = 16384  # KV pool per runner: small, several runners share the GPU
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 results: list[tuple[bool, str]] = []
@@ -40,6 +45,7 @@ def check(ok: bool, name: str, detail: str = "") -> bool:
 def make_runner(model: str, device: str, dtype: str, **kw):
     from plait.runtime.model_executor.model_runner import ModelRunner
     from plait.runtime.server_args import ServerArgs
+
     return ModelRunner(ServerArgs(model=model, device=device, dtype=dtype, max_total_tokens=MAX_TOKENS, **kw))
 
 
@@ -48,6 +54,7 @@ def mode(runner, how: str):
     """Run `runner` eagerly ("eager"), from captured graphs ("graph", its own runner) or through
     the graph runner without capture ("replay")."""
     from plait.runtime.model_executor.cuda_graph import DecodeGraphRunner
+
     saved = runner.graphs
     if how == "eager":
         runner.graphs = None
@@ -64,10 +71,17 @@ def generate(runner, prompts: list[list[int]], max_new: int, ignore_eos: bool = 
     from plait.runtime.request import GenerateInput
     from plait.runtime.sampling_params import SamplingParams
     from plait.runtime.scheduler.scheduler import Scheduler
+
     s = Scheduler(runner.args, runner)
     for i, ids in enumerate(prompts):
-        s.add_request(GenerateInput(rid=str(i), input_ids=ids, seed=0, params=SamplingParams(
-            max_new_tokens=max_new, temperature=0, ignore_eos=ignore_eos)))
+        s.add_request(
+            GenerateInput(
+                rid=str(i),
+                input_ids=ids,
+                seed=0,
+                params=SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=ignore_eos),
+            )
+        )
     out: dict[str, list[int]] = {}
     while s.has_work():
         for o in s.step():
@@ -98,13 +112,19 @@ def check_float32(model: str, prompts: list[list[int]], tok) -> None:
         replay = generate(runner, prompts, 48)
     captured = sum(e.graph is not None for e in runner.graphs.entries.values())
     check(captured > 0 and not runner.graphs.failed, "float32 graphs captured", f"{captured} buckets")
-    check(graph == eager, "float32 greedy: CUDA graphs == eager",
-          ", ".join(f"{common_prefix(g, e)}/{len(e)}" for g, e in zip(graph, eager)))
+    check(
+        graph == eager,
+        "float32 greedy: CUDA graphs == eager",
+        ", ".join(f"{common_prefix(g, e)}/{len(e)}" for g, e in zip(graph, eager)),
+    )
     check(graph == replay, "float32 greedy: CUDA graphs == uncaptured replay")
     cpu = generate(make_runner(model, "cpu", "float32"), prompts, 48)
     shared = [common_prefix(g, c) for g, c in zip(graph, cpu)]
-    check(all(n >= min(MIN_CPU_PREFIX, len(c)) for n, c in zip(shared, cpu)),
-          "float32 greedy: CUDA graphs vs CPU", f"shared prefixes {shared} of {[len(c) for c in cpu]}")
+    check(
+        all(n >= min(MIN_CPU_PREFIX, len(c)) for n, c in zip(shared, cpu)),
+        "float32 greedy: CUDA graphs vs CPU",
+        f"shared prefixes {shared} of {[len(c) for c in cpu]}",
+    )
     print("   sample:", repr(tok.decode(graph[0])))
     del runner
 
@@ -114,21 +134,27 @@ def check_bf16_and_quantized(model: str, prompts: list[list[int]], tok) -> None:
     graph = generate(runner, prompts, 48)
     with mode(runner, "eager"):
         eager = generate(runner, prompts, 48)
-    check(not runner.graphs.failed, "bfloat16 graphs captured",
-          "greedy agreement with eager (shared prefix): "
-          + ", ".join(f"{common_prefix(g, e)}/{len(e)}" for g, e in zip(graph, eager)))
+    check(
+        not runner.graphs.failed,
+        "bfloat16 graphs captured",
+        "greedy agreement with eager (shared prefix): "
+        + ", ".join(f"{common_prefix(g, e)}/{len(e)}" for g, e in zip(graph, eager)),
+    )
     del runner
     for method in ("int8", "fp8"):
         try:
             q = make_runner(model, "cuda", "bfloat16", quantization=method)
             outs = generate(q, prompts[:2], 32)
-        except Exception as e:   # noqa: BLE001 - report and go on with the other checks
+        except Exception as e:  # noqa: BLE001 - report and go on with the other checks
             check(False, f"{method} on CUDA", f"{type(e).__name__}: {e}")
             continue
         texts = [tok.decode(o) for o in outs]
-        check(all(sane(t, o) for t, o in zip(texts, outs)) and not q.graphs.failed, f"{method} on CUDA (graphs)",
-              f"graphs {'failed' if q.graphs.failed else 'ok'}; agreement with bf16 "
-              f"{[common_prefix(o, g) for o, g in zip(outs, graph)]}; {texts[0][:60]!r}")
+        check(
+            all(sane(t, o) for t, o in zip(texts, outs)) and not q.graphs.failed,
+            f"{method} on CUDA (graphs)",
+            f"graphs {'failed' if q.graphs.failed else 'ok'}; agreement with bf16 "
+            f"{[common_prefix(o, g) for o, g in zip(outs, graph)]}; {texts[0][:60]!r}",
+        )
         del q
 
 
@@ -141,10 +167,12 @@ def throughput(model: str, tok) -> None:
         rates = {}
         for how in ("eager", "graph"):
             with mode(runner, how):
-                generate(runner, prompts, 16, ignore_eos=True)          # warm-up (and captures)
+                generate(runner, prompts, 16, ignore_eos=True)  # warm-up (and captures)
                 rates[how] = decode_rate(runner, prompts, 128)
-        print(f"{bs:>6} {rates['eager']:>10.0f} {rates['graph']:>10.0f} {rates['graph'] / rates['eager']:>7.2f}x",
-              flush=True)
+        print(
+            f"{bs:>6} {rates['eager']:>10.0f} {rates['graph']:>10.0f} {rates['graph'] / rates['eager']:>7.2f}x",
+            flush=True,
+        )
     check(not runner.graphs.failed, "throughput run (graphs stayed on)")
 
 
@@ -153,10 +181,17 @@ def decode_rate(runner, prompts: list[list[int]], max_new: int) -> float:
     from plait.runtime.request import GenerateInput
     from plait.runtime.sampling_params import SamplingParams
     from plait.runtime.scheduler.scheduler import Scheduler
+
     s = Scheduler(runner.args, runner)
     for i, ids in enumerate(prompts):
-        s.add_request(GenerateInput(rid=str(i), input_ids=ids, seed=0, params=SamplingParams(
-            max_new_tokens=max_new, temperature=0, ignore_eos=True)))
+        s.add_request(
+            GenerateInput(
+                rid=str(i),
+                input_ids=ids,
+                seed=0,
+                params=SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True),
+            )
+        )
     s.step()
     tokens, t0 = 0, time.perf_counter()
     while s.has_work():
@@ -167,37 +202,49 @@ def decode_rate(runner, prompts: list[list[int]], max_new: int) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--skip-pytest", action="store_true", help="do not run the CUDA tests of tests/runtime/test_cuda_graph.py")
+    p.add_argument(
+        "--skip-pytest", action="store_true", help="do not run the CUDA tests of tests/runtime/test_cuda_graph.py"
+    )
     ns = p.parse_args()
     import torch
+
     if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device: torch.cuda.is_available() is False "
-              f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); run this on a machine with a GPU",
-              file=sys.stderr)
+        print(
+            "gpu_check: no CUDA device: torch.cuda.is_available() is False "
+            f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); run this on a machine with a GPU",
+            file=sys.stderr,
+        )
         return 2
     try:
         import flash_attn  # noqa: F401
+
         backend = "FlashAttnVarlen"
     except ImportError:
         backend = "TorchNativeAttention (no flash_attn)"
-    print(f"device {torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))}), "
-          f"torch {torch.__version__}, CUDA {torch.version.cuda}; eager decode attention: {backend}", flush=True)
+    print(
+        f"device {torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))}), "
+        f"torch {torch.__version__}, CUDA {torch.version.cuda}; eager decode attention: {backend}",
+        flush=True,
+    )
     from plait.runtime.model_executor.model_loader import load_tokenizer, resolve_model
+
     tok = load_tokenizer(resolve_model(ns.model))
     prompts = [tok.encode(t) for t in PROMPTS]
     for step in (check_float32, check_bf16_and_quantized):
         try:
             step(ns.model, prompts, tok)
-        except Exception as e:   # noqa: BLE001 - one broken check must not hide the others
+        except Exception as e:  # noqa: BLE001 - one broken check must not hide the others
             check(False, step.__name__, f"{type(e).__name__}: {e}")
         torch.cuda.empty_cache()
     try:
         throughput(ns.model, tok)
-    except Exception as e:   # noqa: BLE001
+    except Exception as e:  # noqa: BLE001
         check(False, "throughput", f"{type(e).__name__}: {e}")
     if not ns.skip_pytest:
-        rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-x", "tests/runtime/test_cuda_graph.py", "-k", "capture_replay"],
-                             cwd=ROOT)
+        rc = subprocess.call(
+            [sys.executable, "-m", "pytest", "-q", "-x", "tests/runtime/test_cuda_graph.py", "-k", "capture_replay"],
+            cwd=ROOT,
+        )
         check(rc == 0, "pytest tests/runtime/test_cuda_graph.py -k capture_replay", f"exit {rc}")
     failed = [name for ok, name in results if not ok]
     print(f"\n{len(results) - len(failed)}/{len(results)} checks passed" + (f"; failed: {failed}" if failed else ""))

@@ -1,6 +1,7 @@
 """Shared fixtures: the real default model (converted once and cached) and tiny random-weight
 models of each supported architecture, saved to disk and loaded by the real loader, with the
 real SmolLM2 tokenizer."""
+
 from __future__ import annotations
 
 import contextlib
@@ -25,20 +26,41 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     from plait.runtime.model_executor.model_loader import resolve_model
+
     return resolve_model("smollm2")
 
 
 def _tiny_config(arch: str, vocab_size: int):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  rms_norm_eps=1e-5, initializer_range=0.2, bos_token_id=1, eos_token_id=2)
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     if arch == "llama":
         return LlamaConfig(**common, tie_word_embeddings=True, rope_theta=10000.0)
     if arch == "llama3-rope":
-        return LlamaConfig(**common, tie_word_embeddings=False, rope_theta=500000.0,
-                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        return LlamaConfig(
+            **common,
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
     if arch == "qwen2":
         return Qwen2Config(**common, tie_word_embeddings=False, rope_theta=1000000.0)
     if arch == "qwen3":
@@ -53,13 +75,14 @@ TINY_ARCHS = ("llama", "llama3-rope", "qwen2", "qwen3")
 def tiny_model_dirs(tmp_path_factory, smollm2_path) -> dict[str, str]:
     """arch -> folder with a tiny random model (safetensors) and the SmolLM2 tokenizer."""
     from transformers import AutoModelForCausalLM
+
     out = {}
     for arch in TINY_ARCHS:
         folder = tmp_path_factory.mktemp(f"tiny-{arch}")
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(_tiny_config(arch, 49152))
         if getattr(model.config, "attention_bias", False) or arch == "qwen2":
-            with torch.no_grad():   # random, non-zero biases so that their mapping is tested
+            with torch.no_grad():  # random, non-zero biases so that their mapping is tested
                 for name, p in model.named_parameters():
                     if name.endswith("bias"):
                         p.normal_(0, 0.2)
@@ -76,6 +99,7 @@ def require_kernels(march: str | None = None) -> None:
     """Build the fused CPU kernels for `march` (default: the configured path); skip the test with
     the reason where they are not wanted or there is no compiler; fail where a build failed."""
     from plait.runtime.kernels.cpu import cpu_kernels
+
     march = march or cpu_kernels.default_march()
     if cpu_kernels.build(march) is None:
         err = cpu_kernels.build_error(march)
@@ -100,6 +124,7 @@ def wait_healthy(proc, base: str, timeout: float, what: str = "plait serve") -> 
     """Wait until the server subprocess `proc` answers /health at `base` with 200; fail (with its
     output) if it exits first or `timeout` seconds pass."""
     import httpx
+
     deadline = time.monotonic() + timeout
     while True:
         assert proc.poll() is None, proc.stdout.read()
@@ -114,6 +139,7 @@ def wait_healthy(proc, base: str, timeout: float, what: str = "plait serve") -> 
 def serve(app):
     """Run an ASGI app with uvicorn on a free loopback port in a thread; yield its base URL."""
     import uvicorn
+
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -151,6 +177,7 @@ class SlowBackend(BaseBackend):
 def engine(smollm2_path):
     """The default model in an in-process Engine, shared by a test module."""
     import plait
+
     with plait.Engine(model="smollm2", dtype="float32", max_total_tokens=8192, random_seed=0) as eng:
         yield eng
 
@@ -159,5 +186,6 @@ def engine(smollm2_path):
 def url(engine):
     """`engine` behind the HTTP server on loopback (served as "smollm2"); its base URL."""
     from plait.runtime.server.http_server import create_app
+
     with serve(create_app(engine, served_model_name="smollm2")) as base:
         yield base

@@ -1,4 +1,5 @@
 """docs/server_args.md is generated from the parser and ServerArgs, and every engine field has a flag."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,10 +26,26 @@ def test_every_engine_field_is_a_serve_flag():
 
 
 def test_flags_reach_server_args():
-    ns = build_parser().parse_args(["serve", "--json-max-string-length", "7", "--dist-timeout", "12",
-                                    "--revision", "main", "--schedule-policy", "fcfs"])
+    ns = build_parser().parse_args(
+        [
+            "serve",
+            "--json-max-string-length",
+            "7",
+            "--dist-timeout",
+            "12",
+            "--revision",
+            "main",
+            "--schedule-policy",
+            "fcfs",
+        ]
+    )
     args = ServerArgs.from_kwargs(**{k: getattr(ns, k) for k in _ENGINE_OPTIONS if getattr(ns, k) is not None})
-    assert (args.json_max_string_length, args.dist_timeout, args.revision, args.schedule_policy) == (7, 12.0, "main", "fcfs")
+    assert (args.json_max_string_length, args.dist_timeout, args.revision, args.schedule_policy) == (
+        7,
+        12.0,
+        "main",
+        "fcfs",
+    )
 
 
 def test_engine_flags_are_defined_once_in_server_args():
@@ -42,8 +59,10 @@ def test_engine_flags_are_defined_once_in_server_args():
         a = actions[f.name]
         assert a.help == f.metadata["help"] and a.help, f.name
         assert (tuple(a.choices) if a.choices else None) == f.metadata["choices"], f.name
-        if f.name != "log_level":   # the server's own default: info
+        if f.name != "log_level":  # the server's own default: info
             assert a.default in (None, False), f.name
     ns = build_parser().parse_args(["serve"])
-    assert ServerArgs.from_kwargs(**{k: getattr(ns, k) for k in _ENGINE_OPTIONS
-                                     if getattr(ns, k) is not None}).log_level == "info"
+    assert (
+        ServerArgs.from_kwargs(**{k: getattr(ns, k) for k in _ENGINE_OPTIONS if getattr(ns, k) is not None}).log_level
+        == "info"
+    )

@@ -1,4 +1,5 @@
 """Smoke: every example runs to completion on the default model with one command."""
+
 from __future__ import annotations
 
 import glob
@@ -11,8 +12,9 @@ import pytest
 pytestmark = pytest.mark.integration
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLES = sorted(p for p in glob.glob(os.path.join(REPO, "examples", "*.py"))
-                  if not os.path.basename(p).startswith("_"))
+EXAMPLES = sorted(
+    p for p in glob.glob(os.path.join(REPO, "examples", "*.py")) if not os.path.basename(p).startswith("_")
+)
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ calls torch.distributed.
 Backends: gloo on the CPU, NCCL on CUDA. Collective failures (a peer that died, a timeout) are
 raised as `RankFailure`, which the scheduler treats as fatal.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 class RankFailure(RuntimeError):
     """A collective failed: a rank died, hung past the timeout, or the group was torn down."""
-    fatal = True   # the ranks can no longer step together: the scheduler process exits
+
+    fatal = True  # the ranks can no longer step together: the scheduler process exits
 
 
 @dataclass
@@ -91,6 +93,7 @@ def init_tensor_parallel(args, rank: int) -> None:
     if args.tp_size == 1:
         return
     import torch.distributed as dist
+
     host, port = split_addr(args.dist_init_addr)
     device = rank_device(args, rank)
     timeout = datetime.timedelta(seconds=args.dist_timeout)
@@ -100,7 +103,7 @@ def init_tensor_parallel(args, rank: int) -> None:
     else:
         backend = "gloo"
         if host in ("127.0.0.1", "localhost", "::1"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # keep the data connections on loopback too
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep the data connections on loopback too
     listener = None
     if rank == 0:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -113,15 +116,17 @@ def init_tensor_parallel(args, rank: int) -> None:
             raise ValueError(f"cannot listen on dist_init_addr {args.dist_init_addr}: {e.strerror or e}") from None
         listener.listen(128)
     try:
-        store = dist.TCPStore(host, port, args.tp_size, rank == 0, timeout,
-                              master_listen_fd=listener.fileno() if listener else None)
+        store = dist.TCPStore(
+            host, port, args.tp_size, rank == 0, timeout, master_listen_fd=listener.fileno() if listener else None
+        )
         dist.init_process_group(backend, store=store, rank=rank, world_size=args.tp_size, timeout=timeout)
-    except RuntimeError as e:   # DistError and its subclasses included
-        raise RankFailure(f"tensor-parallel rank {rank} could not join the group at "
-                          f"{args.dist_init_addr}: {e}") from None
+    except RuntimeError as e:  # DistError and its subclasses included
+        raise RankFailure(
+            f"tensor-parallel rank {rank} could not join the group at {args.dist_init_addr}: {e}"
+        ) from None
     finally:
         if listener is not None:
-            listener.close()   # the store holds its own duplicate of the descriptor
+            listener.close()  # the store holds its own duplicate of the descriptor
     _tp.rank, _tp.size, _tp.device = rank, args.tp_size, device
     logger.info("tensor-parallel rank %d/%d up (%s)", rank, args.tp_size, backend)
 
@@ -131,6 +136,7 @@ def destroy_tensor_parallel() -> None:
     if _tp.size == 1:
         return
     import torch.distributed as dist
+
     try:
         dist.destroy_process_group()
     except Exception:
@@ -152,7 +158,7 @@ def exit_rank(code: int) -> None:
 def _collective(fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
-    except RuntimeError as e:   # DistBackendError and gloo's connection errors are RuntimeErrors
+    except RuntimeError as e:  # DistBackendError and gloo's connection errors are RuntimeErrors
         raise RankFailure(f"tensor-parallel collective failed on rank {_tp.rank}: {e}") from None
 
 
@@ -160,6 +166,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the ranks, in place; identity at tp_size 1."""
     if _tp.size > 1:
         import torch.distributed as dist
+
         _collective(dist.all_reduce, x)
     return x
 
@@ -169,6 +176,7 @@ def all_reduce_min(value: int) -> int:
     if _tp.size == 1:
         return value
     import torch.distributed as dist
+
     t = torch.tensor([value], dtype=torch.int64, device=_tp.device)
     _collective(dist.all_reduce, t, op=dist.ReduceOp.MIN)
     return int(t.item())
@@ -179,6 +187,7 @@ def gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
     if _tp.size == 1:
         return x
     import torch.distributed as dist
+
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(_tp.size)] if _tp.rank == 0 else None
     _collective(dist.gather, x, parts, dst=0)
@@ -206,8 +215,10 @@ def head_split(num_heads: int, kv_heads: int) -> tuple[tuple[int, int], tuple[in
         return (kv_first * group, kv_count * group), (kv_first, kv_count)
     per_kv = size // kv_heads
     if size % kv_heads or group < per_kv:
-        raise ValueError(f"tp_size {size} does not fit {num_heads} attention heads with {kv_heads} KV heads "
-                         f"(it must divide the KV heads, or be a multiple of them of at most {num_heads})")
+        raise ValueError(
+            f"tp_size {size} does not fit {num_heads} attention heads with {kv_heads} KV heads "
+            f"(it must divide the KV heads, or be a multiple of them of at most {num_heads})"
+        )
     kv, j = rank // per_kv, rank % per_kv
     first, end = j * group // per_kv, (j + 1) * group // per_kv
     return (kv * group + first, end - first), (kv, 1)
@@ -222,16 +233,22 @@ class ColumnParallelLinear(nn.Module):
     math is the plain `nn.Linear` in `self.linear` (so CPU prepacking can replace it).
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 shards: list[tuple[int, int]] | None = None, name: str = "output features"):
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        shards: list[tuple[int, int]] | None = None,
+        name: str = "output features",
+    ):
         super().__init__()
         shards = shards or [balanced_split(size, name) for size in output_sizes]
-        self.pieces = []   # (first global row, local rows, local offset) per piece
+        self.pieces = []  # (first global row, local rows, local offset) per piece
         offset = 0
         for first, rows in shards:
             self.pieces.append((first, rows, offset))
             offset += rows
-        self.output_sizes = [rows for _, rows in shards]   # local sizes, for splitting the output
+        self.output_sizes = [rows for _, rows in shards]  # local sizes, for splitting the output
         self.linear = nn.Linear(input_size, offset, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -240,7 +257,7 @@ class ColumnParallelLinear(nn.Module):
     def load_weight(self, param: str, loaded: torch.Tensor, piece: int = 0) -> None:
         """Copy this rank's rows of piece `piece` of a full checkpoint tensor (`weight` or `bias`)."""
         start, rows, offset = self.pieces[piece]
-        getattr(self.linear, param).data[offset:offset + rows].copy_(loaded.narrow(0, start, rows))
+        getattr(self.linear, param).data[offset : offset + rows].copy_(loaded.narrow(0, start, rows))
 
     def weight_keys(self) -> list[str]:
         """`param#piece` for everything `load_weight` must fill exactly once."""
@@ -253,8 +270,14 @@ class RowParallelLinear(nn.Module):
     layer leaves it); the partial products are summed over the ranks with one all-reduce.
     `shard` = (first column, columns) on this rank (default: a balanced split)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 shard: tuple[int, int] | None = None, name: str = "input features"):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        shard: tuple[int, int] | None = None,
+        name: str = "input features",
+    ):
         super().__init__()
         self.start, self.cols = shard or balanced_split(input_size, name)
         self.linear = nn.Linear(self.cols, output_size, bias=False)
@@ -283,8 +306,11 @@ def unwrap_single_rank(model: nn.Module) -> int:
     runs exactly the modules it would without tensor parallelism. Returns how many were replaced."""
     if _tp.size != 1:
         return 0
-    targets = [(name, mod) for name, mod in model.named_modules()
-               if isinstance(mod, ColumnParallelLinear) or (isinstance(mod, RowParallelLinear) and mod.bias is None)]
+    targets = [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if isinstance(mod, ColumnParallelLinear) or (isinstance(mod, RowParallelLinear) and mod.bias is None)
+    ]
     for name, mod in targets:
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, mod.linear)
@@ -300,7 +326,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.per_rank = -(-vocab_size // _tp.size)
         self.start = _tp.rank * self.per_rank
-        self.rows = max(0, min(self.per_rank, vocab_size - self.start))   # real (unpadded) rows here
+        self.rows = max(0, min(self.per_rank, vocab_size - self.start))  # real (unpadded) rows here
         self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden_size))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -312,7 +338,7 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(x.masked_fill_(outside[:, None], 0))
 
     def load_weight(self, param: str, loaded: torch.Tensor, piece: int = 0) -> None:
-        self.weight.data[:self.rows].copy_(loaded.narrow(0, self.start, self.rows))
+        self.weight.data[: self.rows].copy_(loaded.narrow(0, self.start, self.rows))
 
     def weight_keys(self) -> list[str]:
         return ["weight#0"]
@@ -325,9 +351,9 @@ class ParallelLMHead(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, tied: VocabParallelEmbedding | None = None):
         super().__init__()
         self.vocab_size = vocab_size
-        self._tied = (tied,) if tied is not None else None   # a tuple: not a second submodule
+        self._tied = (tied,) if tied is not None else None  # a tuple: not a second submodule
         if tied is None:
-            ref = VocabParallelEmbedding(vocab_size, hidden_size)   # same split, same loader
+            ref = VocabParallelEmbedding(vocab_size, hidden_size)  # same split, same loader
             self.start, self.rows, self.per_rank = ref.start, ref.rows, ref.per_rank
             self.weight = ref.weight
         self.packed = None
@@ -339,12 +365,12 @@ class ParallelLMHead(nn.Module):
         """Float32 logits `[N, vocab]` on rank 0; None on the other ranks."""
         if self.packed is None:
             logits = F.linear(x, self.local_weight())
-        else:   # bfloat16 logits widened as they are written, where the layer can
+        else:  # bfloat16 logits widened as they are written, where the layer can
             logits = self.packed(x, widen=True) if getattr(self.packed, "widens", False) else self.packed(x)
         if _tp.size == 1:
             return logits.float()
         full = gather_last_dim(logits)
-        return None if full is None else full[:, :self.vocab_size].float()
+        return None if full is None else full[:, : self.vocab_size].float()
 
     def decode_kernel(self, rows: int, dtype: torch.dtype) -> tuple | None:
         """The head as `cpu_kernels.decode_step` runs it for `rows` rows of `dtype`, with the float32
@@ -352,10 +378,16 @@ class ParallelLMHead(nn.Module):
         runs small_gemm widening its output (kind 0) or an int8 kernel (2, 3, float32 out); None
         elsewhere (tensor parallel, an unpacked head, another kernel)."""
         packed = self.packed
-        if _tp.size != 1 or packed is None or not getattr(packed, "widens", False) or not hasattr(packed, "decode_kernel"):
+        if (
+            _tp.size != 1
+            or packed is None
+            or not getattr(packed, "widens", False)
+            or not hasattr(packed, "decode_kernel")
+        ):
             return None
         spec = packed.decode_kernel(rows, dtype)
         from ..layers.prepack import PackedLinear  # kind 0 widens in PackedLinear's forward only
+
         if spec is None or spec[0] not in (0, 2, 3) or (spec[0] == 0) != isinstance(packed, PackedLinear):
             return None
         return spec
@@ -363,12 +395,13 @@ class ParallelLMHead(nn.Module):
     def prepack(self) -> None:
         """Hold the (local) weight in oneDNN's layout; CPU only."""
         from ..layers.prepack import PackedLinear
+
         self.packed = PackedLinear(self.local_weight(), None)
         if not self._tied:
-            del self.weight   # the packed copy replaces it
+            del self.weight  # the packed copy replaces it
 
     def load_weight(self, param: str, loaded: torch.Tensor, piece: int = 0) -> None:
-        self.weight.data[:self.rows].copy_(loaded.narrow(0, self.start, self.rows))
+        self.weight.data[: self.rows].copy_(loaded.narrow(0, self.start, self.rows))
 
     def weight_keys(self) -> list[str]:
         return [] if self._tied else ["weight#0"]
@@ -376,12 +409,13 @@ class ParallelLMHead(nn.Module):
 
 # --- lockstep -----------------------------------------------------------------------------------
 FORWARD, KEEPALIVE, STOP = 0, 1, 2
-_ALIGN = 16   # every tensor starts at a multiple of this in the payload, so it can be viewed in place
+_ALIGN = 16  # every tensor starts at a multiple of this in the payload, so it can be viewed in place
 
 
 def _step_types() -> dict[str, type]:
     """The only classes a step payload may rebuild (no pickle: nothing else can be instantiated)."""
     from ..model_executor.forward_batch import AttnGroup, ForwardBatch
+
     return {"ForwardBatch": ForwardBatch, "AttnGroup": AttnGroup}
 
 
@@ -401,8 +435,10 @@ class _Packer:
             self.nbytes += -(-flat.numel() * flat.element_size() // _ALIGN) * _ALIGN
             return ref
         if dataclasses.is_dataclass(obj) and type(obj).__name__ in _step_types():
-            return {"dataclass": type(obj).__name__,
-                    "fields": {f.name: self.pack(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
+            return {
+                "dataclass": type(obj).__name__,
+                "fields": {f.name: self.pack(getattr(obj, f.name)) for f in dataclasses.fields(obj)},
+            }
         if isinstance(obj, (list, tuple)):
             return [self.pack(x) for x in obj]
         if obj is None or isinstance(obj, (bool, int, float, str)):
@@ -422,7 +458,7 @@ def _unpack(meta: Any, data: torch.Tensor) -> Any:
         if not isinstance(dtype, torch.dtype):
             raise RankFailure(f"a step payload names an unknown dtype {dtype_name!r}")
         n = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-        return data[offset:offset + n].view(dtype).view(shape)
+        return data[offset : offset + n].view(dtype).view(shape)
     cls = _step_types().get(meta.get("dataclass"))
     if cls is None:
         raise RankFailure(f"a step payload names an unknown type {meta.get('dataclass')!r}")
@@ -440,15 +476,16 @@ class StepChannel:
     def send(self, obj: Any) -> None:
         """Rank 0: send `obj` (a ForwardBatch) to the other ranks."""
         import torch.distributed as dist
+
         packer = _Packer()
         meta = msgspec.msgpack.encode(packer.pack(obj))
         meta_len = -(-len(meta) // _ALIGN) * _ALIGN
         payload = torch.empty(meta_len + packer.nbytes, dtype=torch.uint8, device=_tp.device)
-        payload[:len(meta)].copy_(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
+        payload[: len(meta)].copy_(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
         offset = meta_len
         for t in packer.tensors:
             raw = t.view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
-            payload[offset:offset + raw.numel()].copy_(raw)
+            payload[offset : offset + raw.numel()].copy_(raw)
             offset += -(-raw.numel() // _ALIGN) * _ALIGN
         self._header(FORWARD, len(meta), payload.numel())
         _collective(dist.broadcast, payload, src=0)
@@ -464,6 +501,7 @@ class StepChannel:
     def recv(self) -> tuple[int, Any]:
         """Ranks > 0: block for the next (command, batch); the batch is None unless FORWARD."""
         import torch.distributed as dist
+
         _collective(dist.broadcast, self.header, src=0)
         cmd, meta_len, total = self.header.tolist()
         if cmd != FORWARD:
@@ -476,5 +514,6 @@ class StepChannel:
 
     def _header(self, cmd: int, meta_len: int, total: int) -> None:
         import torch.distributed as dist
+
         self.header.copy_(torch.tensor([cmd, meta_len, total], dtype=torch.int64))
         _collective(dist.broadcast, self.header, src=0)

@@ -7,6 +7,7 @@ through `cpu_kernels.small_gemm` on a second copy of the weight in 32-column pan
 streams the weight at the machine's bandwidth at one row (oneDNN runs that on one core) and runs
 faster than oneDNN's GEMM up to 64 float32 / 128 bfloat16 rows (14-30% at 8-32). Only the CPU path; GPUs keep `nn.Linear`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,9 +25,11 @@ logger = logging.getLogger(__name__)
 
 def prepack_available() -> bool:
     """True when this torch build has oneDNN and its prepacked linear ops."""
-    return (torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,7 +42,7 @@ def onednn_takes(dtype: torch.dtype) -> bool:
         w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8, dtype=dtype))
         torch.ops.mkldnn._linear_pointwise(torch.ones(1, 8, dtype=dtype), w, None, "none", [], "")
         return True
-    except Exception:   # RuntimeError here; whatever another build raises, the answer is the same
+    except Exception:  # RuntimeError here; whatever another build raises, the answer is the same
         return False
 
 
@@ -56,19 +59,26 @@ class PackedLinear(nn.Module):
     the ones their own kernels do not take), also where oneDNN does not take the dtype; oneDNN's
     elsewhere, or `F.linear` where neither runs."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, small_rows: bool = True,
-                 panels_only: bool = False):
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, small_rows: bool = True, panels_only: bool = False
+    ):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().clone()
-        small = ((small_rows or panels_only) and cpu_kernels.small_gemm_available(weight.dtype)
-                 and (weight.dtype == torch.float32 or self.in_features % 2 == 0))
+        small = (
+            (small_rows or panels_only)
+            and cpu_kernels.small_gemm_available(weight.dtype)
+            and (weight.dtype == torch.float32 or self.in_features % 2 == 0)
+        )
         onednn = onednn_takes(weight.dtype)
         panels_only = panels_only or (small and not onednn)
         self.panels = cpu_kernels.pack_panels(weight) if small else None
         self.small_rows = 0 if not small else sys.maxsize if panels_only else SMALL_GEMM_MAX_ROWS[weight.dtype]
-        self.packed = None if (small and panels_only) or not onednn else torch.ops.mkldnn._reorder_linear_weight(
-            weight.detach().contiguous())
+        self.packed = (
+            None
+            if (small and panels_only) or not onednn
+            else torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+        )
         # neither kernel runs this dtype here: the plain weight, for F.linear
         self.weight = None if self.packed is not None or (small and panels_only) else weight.detach()
         # the kernel adds a float32 bias: converted once here, not on every call
@@ -76,8 +86,14 @@ class PackedLinear(nn.Module):
         # Without that kernel, a float32 single row goes through bmm with the weight viewed as
         # [2, N/2, K], whose two halves run on two cores (oneDNN's GEMV runs on one).
         self.halves = None
-        if (small_rows and not panels_only and not small and weight.dtype == torch.float32 and self.out_features % 2 == 0
-                and torch.get_num_threads() > 1):
+        if (
+            small_rows
+            and not panels_only
+            and not small
+            and weight.dtype == torch.float32
+            and self.out_features % 2 == 0
+            and torch.get_num_threads() > 1
+        ):
             self.halves = weight.detach().contiguous().view(2, self.out_features // 2, self.in_features)
 
     def decode_kernel(self, rows: int, dtype: torch.dtype) -> tuple | None:
@@ -89,12 +105,12 @@ class PackedLinear(nn.Module):
         """Whether `small_gemm` runs these rows (`forward` and `decode_kernel` agree through this)."""
         return 1 <= rows <= self.small_rows and dtype == self.panels.dtype
 
-    widens = True   # forward takes `widen`
+    widens = True  # forward takes `widen`
 
     def forward(self, x: torch.Tensor, widen: bool = False) -> torch.Tensor:
         """`widen`: a bfloat16 product may come back as float32 holding the bfloat16 results (the
         LM head's logits, which the caller widens anyway: a pass over them less)."""
-        flat = x.dim() == 2   # the model's case: no reshapes (at batch 1 every op here costs)
+        flat = x.dim() == 2  # the model's case: no reshapes (at batch 1 every op here costs)
         x2 = x if flat else x.reshape(-1, x.shape[-1])
         rows = x2.shape[0]
         if self._small_takes(rows, x2.dtype):

@@ -60,6 +60,7 @@ then dropped.
 `fp8` (CUDA only, compute capability >= 9.0): float8 e4m3 weights with per-row scales and
 per-token activation scales through `torch._scaled_mm`; other GPUs fall back to int8 dequant.
 """
+
 from __future__ import annotations
 
 import logging
@@ -76,13 +77,13 @@ logger = logging.getLogger(__name__)
 QUANTIZATIONS = ("int8", "int4", "fp8")
 INT8_KERNELS = ("int8pack", "w8a8", "dequant")
 INT4_KERNELS = ("int4pack", "dequant")
-INT4_GROUP_SIZE = 32     # GGUF Q4_1's block
-_FP8_MAX = 448.0   # largest finite float8_e4m3fn
-_INT8PACK_MAX_ROWS = 4   # CPU: from this many rows, the bf16 copy of the dequantized weight is faster
+INT4_GROUP_SIZE = 32  # GGUF Q4_1's block
+_FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_INT8PACK_MAX_ROWS = 4  # CPU: from this many rows, the bf16 copy of the dequantized weight is faster
 # CPU: below this many rows the int4 kernel, from it the bf16 copy: about where they cross over in
 # whole bf16+int4 decode steps.
 _INT4PACK_MAX_ROWS = 10
-_INT4PACK_GROUP_SIZES = (32, 64, 128, 256)   # what torch's CPU int4 kernel accepts
+_INT4PACK_GROUP_SIZES = (32, 64, 128, 256)  # what torch's CPU int4 kernel accepts
 # cpu_kernels.int4_gemv (AVX512-VNNI or AVX2) up to this many rows; past them the bf16 copy, except
 # where int4_gemv_all_rows() (no bf16 dot products): there int4_gemv takes every row count
 _INT4_GEMV_MAX_ROWS = 8
@@ -134,6 +135,7 @@ class _WeightOnlyLinear(nn.Module):
         not run, prepacked for oneDNN); None where neither is available. Many rows only: the
         panels are ~25% faster than oneDNN's GEMM at 16-32 rows, 8% slower at 512 (prefill)."""
         from .prepack import PackedLinear, prepack_available
+
         if not prepack_available() or self.qweight.device.type != "cpu":
             return None
         bias = None if self.bias is None else self.bias.to(torch.bfloat16)
@@ -174,11 +176,12 @@ class Int8Linear(_WeightOnlyLinear):
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        self.register_buffer("scale_bf16", scale.to(torch.bfloat16) if self.kernel == "int8pack" else None,
-                             persistent=False)
+        self.register_buffer(
+            "scale_bf16", scale.to(torch.bfloat16) if self.kernel == "int8pack" else None, persistent=False
+        )
         self.packed_bf16 = self._pack_bf16() if self.kernel == "int8pack" else None
-        self.vnni_gemv = False   # set by use_vnni_gemv()
-        self.packed_rows: torch.Tensor | None = None   # int8_rows' layout, set by use_vnni_gemv()
+        self.vnni_gemv = False  # set by use_vnni_gemv()
+        self.packed_rows: torch.Tensor | None = None  # int8_rows' layout, set by use_vnni_gemv()
 
     def use_vnni_gemv(self) -> bool:
         """From here on, up to 8 rows go through `cpu_kernels.int8_gemv` (activations as int16 in
@@ -187,8 +190,14 @@ class Int8Linear(_WeightOnlyLinear):
         it is faster than int8_gemv at 1-8 rows and than the bfloat16 copy past them, which is then
         dropped); False where neither does (the weight-only kernels stay)."""
         from ..kernels.cpu import cpu_kernels
-        self.vnni_gemv = (self.kernel == "int8pack" and self.bias is None and self.in_features % 64 == 0
-                          and self.qweight.device.type == "cpu" and cpu_kernels.int8_gemv_available())
+
+        self.vnni_gemv = (
+            self.kernel == "int8pack"
+            and self.bias is None
+            and self.in_features % 64 == 0
+            and self.qweight.device.type == "cpu"
+            and cpu_kernels.int8_gemv_available()
+        )
         if self.vnni_gemv and self.out_features % 16 == 0 and cpu_kernels.int8_rows_available():
             self.packed_rows = cpu_kernels.int8_rows_pack(self.qweight)
             self.packed_bf16 = None
@@ -216,17 +225,17 @@ class Int8Linear(_WeightOnlyLinear):
         """Whether `int8_rows` runs these rows: all of them where it runs."""
         return self.packed_rows is not None and rows >= 1
 
-    widens = True   # forward takes `widen`
+    widens = True  # forward takes `widen`
 
     def forward(self, x: torch.Tensor, widen: bool = False) -> torch.Tensor:
         """`widen`: the result may come back as float32 (an LM head's logits: int8_gemv computes
         them in float32, and the caller widens them anyway)."""
         if x.dim() == 2 and self._vnni_takes(x.shape[0]):
-            y = cpu_kernels.ops.int8_gemv(x, self.qweight, self.scale)   # float32 out
+            y = cpu_kernels.ops.int8_gemv(x, self.qweight, self.scale)  # float32 out
             return y if widen else self._output(x, y)
         x2 = _rows(x)
         if self._rows_takes(x2.shape[0]):
-            y = cpu_kernels.ops.int8_rows(x2, self.packed_rows, self.scale)   # float32 out
+            y = cpu_kernels.ops.int8_rows(x2, self.packed_rows, self.scale)  # float32 out
             return y if widen and x.dim() == 2 else self._output(x, y)
         if self.kernel == "int8pack" and x2.shape[0] < _INT8PACK_MAX_ROWS:
             y = torch._weight_int8pack_mm(_bf16_contiguous(x2), self.qweight, self.scale_bf16)
@@ -252,8 +261,9 @@ class Int8Linear(_WeightOnlyLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_int4(
+    weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GGUF Q4_1's asymmetric 4-bit quantization, per group of `group_size` along K:
     `W ~= scale * q + minimum` with `q` in 0..15, `minimum` the group's minimum and `scale` its
     range / 15. Returns (q uint8 `[N, K]`, scale float32 `[N, K/G]`, minimum float32 `[N, K/G]`).
@@ -267,7 +277,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
     groups = w.reshape(n, k // group_size, group_size)
     lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
     scale = (hi - lo) / 15
-    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))   # a constant group: all codes 0
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))  # a constant group: all codes 0
     # ggml rounds with trunc(x + 0.5); the argument is never negative, so that is floor.
     q = torch.floor((groups - lo[..., None]) * inv[..., None] + 0.5).clamp_(0, 15).to(torch.uint8)
     return q.reshape(n, k), scale, lo
@@ -275,8 +285,9 @@ def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
 
 def int4pack_available() -> bool:
     """True when this torch build has the CPU int4 weight-only matmul and its packing op."""
-    return (hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-            and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"))
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
+        torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"
+    )
 
 
 def default_int4_kernel(device: torch.device) -> str:
@@ -307,8 +318,13 @@ class Int4Linear(_WeightOnlyLinear):
     else the copy serves every row. `dequant` computes `F.linear` with W dequantized in the input's
     dtype (other devices, the reference)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int = INT4_GROUP_SIZE,
-                 kernel: str | None = None):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group_size: int = INT4_GROUP_SIZE,
+        kernel: str | None = None,
+    ):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.group_size = group_size
@@ -320,23 +336,34 @@ class Int4Linear(_WeightOnlyLinear):
         q, scale, minimum = quantize_int4(weight, group_size)
         scale, minimum = scale.to(torch.float16), minimum.to(torch.float16)
         self.register_buffer("qweight", _pack_nibbles(q))
-        self.register_buffer("scale_min", torch.stack([scale, minimum], dim=-1))   # [N, K/G, 2] float16
+        self.register_buffer("scale_min", torch.stack([scale, minimum], dim=-1))  # [N, K/G, 2] float16
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         on_cpu = self.kernel == "int4pack" and weight.device.type == "cpu" and self.out_features % 16 == 0
         use_gemv = on_cpu and group_size == 32 and cpu_kernels.int4_gemv_available()
-        self.register_buffer("packed_gemv", cpu_kernels.int4_gemv_pack(q, scale, minimum) if use_gemv else None,
-                             persistent=False)
+        self.register_buffer(
+            "packed_gemv", cpu_kernels.int4_gemv_pack(q, scale, minimum) if use_gemv else None, persistent=False
+        )
         self.gemv_bias = None if bias is None or not use_gemv else bias.detach().float().contiguous()
         # where int4_gemv is the fastest at every row count, it takes them all (and no bf16 copy is kept)
         self.gemv_all_rows = use_gemv and cpu_kernels.int4_gemv_all_rows()
         # torch's int4 kernel only where ours does not run (not a third copy of the weight)
         use_int4mm = on_cpu and not use_gemv and group_size in _INT4PACK_GROUP_SIZES
-        self.register_buffer("packed_int4", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            q.to(torch.int32).contiguous(), 1) if use_int4mm else None, persistent=False)
+        self.register_buffer(
+            "packed_int4",
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+            if use_int4mm
+            else None,
+            persistent=False,
+        )
         # its form: W = (q - 8) * scale + zero, zero = minimum + 8 * scale, [K/G, N, 2] bfloat16
         zeros = minimum.float() + 8 * scale.float()
-        self.register_buffer("scales_and_zeros", torch.stack([scale.float(), zeros], dim=-1).transpose(0, 1)
-                             .to(torch.bfloat16).contiguous() if use_int4mm else None, persistent=False)
+        self.register_buffer(
+            "scales_and_zeros",
+            torch.stack([scale.float(), zeros], dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
+            if use_int4mm
+            else None,
+            persistent=False,
+        )
         self.packed_bf16 = self._pack_bf16() if self.kernel == "int4pack" and not self.gemv_all_rows else None
 
     def decode_kernel(self, rows: int, dtype: torch.dtype) -> tuple | None:
@@ -359,7 +386,7 @@ class Int4Linear(_WeightOnlyLinear):
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the codes stand for, `[N, K]` (what `int4_gemv` computes with)."""
         n, k, g = self.out_features, self.in_features, self.group_size
-        sm = self.scale_min.float()                                                       # [N, K/G, 2]
+        sm = self.scale_min.float()  # [N, K/G, 2]
         q = _unpack_nibbles(self.qweight).reshape(n, k // g, g).float()
         return (q * sm[..., :1] + sm[..., 1:]).reshape(n, k).to(dtype)
 
@@ -370,7 +397,8 @@ class Int4Linear(_WeightOnlyLinear):
         if self._int4mm_takes(x2.shape[0]):
             # bfloat16 activations: with float32 ones the kernel is ~20x slower.
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                _bf16_contiguous(x2), self.packed_int4, self.group_size, self.scales_and_zeros)
+                _bf16_contiguous(x2), self.packed_int4, self.group_size, self.scales_and_zeros
+            )
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)
         elif self.kernel == "int4pack":
@@ -381,15 +409,22 @@ class Int4Linear(_WeightOnlyLinear):
 
     def extra_repr(self) -> str:
         copy_only = self.kernel == "int4pack" and self.packed_int4 is None
-        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
-                f"kernel={self.kernel}{' (bf16 copy only)' if copy_only else ''}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
+            f"kernel={self.kernel}{' (bf16 copy only)' if copy_only else ''}"
+        )
 
 
 def fp8_supported(device: torch.device) -> bool:
     """Row-wise scaled float8 matmuls: CUDA with compute capability >= 9.0 (Hopper) and a torch
     that has `_scaled_mm` and float8_e4m3fn."""
-    return (device.type == "cuda" and torch.cuda.is_available() and hasattr(torch, "_scaled_mm")
-            and hasattr(torch, "float8_e4m3fn") and torch.cuda.get_device_capability(device) >= (9, 0))
+    return (
+        device.type == "cuda"
+        and torch.cuda.is_available()
+        and hasattr(torch, "_scaled_mm")
+        and hasattr(torch, "float8_e4m3fn")
+        and torch.cuda.get_device_capability(device) >= (9, 0)
+    )
 
 
 class Fp8Linear(nn.Module):
@@ -402,15 +437,15 @@ class Fp8Linear(nn.Module):
             raise ValueError("fp8 weights need a CUDA device")
         self.out_features, self.in_features = weight.shape
         w = weight.detach().float()
-        scale = (w.abs().amax(dim=1, keepdim=True) / _FP8_MAX).clamp(min=1e-12)          # [N, 1]
+        scale = (w.abs().amax(dim=1, keepdim=True) / _FP8_MAX).clamp(min=1e-12)  # [N, 1]
         self.register_buffer("qweight", (w / scale).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn))
-        self.register_buffer("scale", scale.t().contiguous())                             # [1, N]
+        self.register_buffer("scale", scale.t().contiguous())  # [1, N]
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float()
-        x_scale = (x2.abs().amax(dim=1, keepdim=True) / _FP8_MAX).clamp(min=1e-12)        # [M, 1]
+        x_scale = (x2.abs().amax(dim=1, keepdim=True) / _FP8_MAX).clamp(min=1e-12)  # [M, 1]
         xq = (x2 / x_scale).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).contiguous()
         # qweight.t() is [K, N] column-major, the layout _scaled_mm wants for its second operand.
         y = torch._scaled_mm(xq, self.qweight.t(), scale_a=x_scale, scale_b=self.scale, out_dtype=torch.bfloat16)
@@ -424,15 +459,16 @@ def _fp8_shape_ok(weight: torch.Tensor) -> bool:
     return weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
 
 
-def make_quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, method: str,
-                          kernel: str | None = None) -> nn.Module:
+def make_quantized_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, method: str, kernel: str | None = None
+) -> nn.Module:
     """One quantized replacement for `F.linear(., weight, bias)`. `kernel` is the int8 kernel (of
     int8 layers, and of int4 layers' int8 fallback)."""
     if method == "fp8" and fp8_supported(weight.device) and _fp8_shape_ok(weight):
         return Fp8Linear(weight, bias)
     if method == "int4" and weight.shape[1] % INT4_GROUP_SIZE == 0:
         return Int4Linear(weight, bias)
-    return Int8Linear(weight, bias, kernel)   # (int4 with K not a multiple of the group: int8)
+    return Int8Linear(weight, bias, kernel)  # (int4 with K not a multiple of the group: int8)
 
 
 def _is_plain_linear(mod: nn.Module) -> bool:
@@ -460,10 +496,10 @@ def quantize_model(model: nn.Module, method: str, kernel: str | None = None) -> 
     head_method = "int8" if method == "int4" else method
     for head in heads:
         head.packed = make_quantized_linear(head.local_weight(), None, head_method, kernel)
-    for mod in model.modules():   # layers and LM head: int16 activations, exact-er than bf16 ones,
-        if isinstance(mod, Int8Linear):   # and faster at batch 1 (the head and the whole step)
+    for mod in model.modules():  # layers and LM head: int16 activations, exact-er than bf16 ones,
+        if isinstance(mod, Int8Linear):  # and faster at batch 1 (the head and the whole step)
             mod.use_vnni_gemv()
-    if hasattr(model, "forget_decode_plans"):   # its cached plans hold the replaced projections
+    if hasattr(model, "forget_decode_plans"):  # its cached plans hold the replaced projections
         model.forget_decode_plans()
     count = len(targets) + len(heads)
     logger.info("quantized %d linear layers to %s", count, method)

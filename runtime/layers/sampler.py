@@ -14,6 +14,7 @@ features some row uses) and calls `Sampler()(logits, batch)`. Order of operation
    of the row's own (seed, step, probabilities): batch composition, row position and whether
    the batch took the sorted path do not change it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ _SALT_SEED = 0x9E3779B9
 _SALT_STEP = 0x7F4A7C15
 _SALT_TOKEN = 0x85EBCA6B
 _U_BITS = 23  # (x + 0.5) * 2^-23 for x < 2^23 is exact in float32 and lies in [2^-24, 1 - 2^-24]
-_U_SCALE = 2.0 ** -_U_BITS
+_U_SCALE = 2.0**-_U_BITS
 _MIN_TEMPERATURE = 1e-6  # keeps logits / T finite for absurdly small (non-zero) temperatures
 
 
@@ -102,23 +103,23 @@ class SamplingBatch:
     vocab_size: int
     device: torch.device
     # Sampled rows. sample_rows is None when every row is greedy.
-    sample_rows: torch.Tensor | None = None       # int64 [S], ascending
-    temperatures: torch.Tensor | None = None      # float32 [S, 1]
-    row_keys: torch.Tensor | None = None          # int64 [S, 1], hash of (seed, step)
-    sort_width: int | None = None                 # None: no filter; V: full sort; < V: topk
-    top_ks: torch.Tensor | None = None            # int64 [S, 1] (V when off)
-    top_ps: torch.Tensor | None = None            # float32 [S, 1] (2.0 when off)
-    min_ps: torch.Tensor | None = None            # float32 [S, 1] (0.0 when off)
+    sample_rows: torch.Tensor | None = None  # int64 [S], ascending
+    temperatures: torch.Tensor | None = None  # float32 [S, 1]
+    row_keys: torch.Tensor | None = None  # int64 [S, 1], hash of (seed, step)
+    sort_width: int | None = None  # None: no filter; V: full sort; < V: topk
+    top_ks: torch.Tensor | None = None  # int64 [S, 1] (V when off)
+    top_ps: torch.Tensor | None = None  # float32 [S, 1] (2.0 when off)
+    min_ps: torch.Tensor | None = None  # float32 [S, 1] (0.0 when off)
     # Penalties. penalty_rows is None when no row has any.
-    penalty_rows: torch.Tensor | None = None      # int64 [P]
+    penalty_rows: torch.Tensor | None = None  # int64 [P]
     # Repetition penalty is sparse: only (row, token) pairs seen in prompt + output.
-    rep_index: torch.Tensor | None = None         # int64 [N]: p * V + token (p indexes penalty_rows)
-    rep_factor: torch.Tensor | None = None        # float32 [N]: that row's repetition_penalty
+    rep_index: torch.Tensor | None = None  # int64 [N]: p * V + token (p indexes penalty_rows)
+    rep_factor: torch.Tensor | None = None  # float32 [N]: that row's repetition_penalty
     # frequency * count + presence * (count > 0) over output tokens, counted by scatter_add.
-    out_penalty: torch.Tensor | None = None       # float32 [P, V], subtracted from logits
+    out_penalty: torch.Tensor | None = None  # float32 [P, V], subtracted from logits
     # min_new_tokens: (row, token) pairs set to -inf. None when nothing is blocked.
-    block_rows: torch.Tensor | None = None        # int64 [K]
-    block_cols: torch.Tensor | None = None        # int64 [K]
+    block_rows: torch.Tensor | None = None  # int64 [K]
+    block_cols: torch.Tensor | None = None  # int64 [K]
 
     @property
     def all_greedy(self) -> bool:
@@ -126,10 +127,17 @@ class SamplingBatch:
         return self.sample_rows is None
 
     @classmethod
-    def build(cls, params: list[SamplingParams], seeds: list[int], steps: list[int],
-              prompt_ids: list[list[int]], output_ids: list[list[int]],
-              eos_ids: list[int], vocab_size: int,
-              device: torch.device | str = "cpu") -> "SamplingBatch":
+    def build(
+        cls,
+        params: list[SamplingParams],
+        seeds: list[int],
+        steps: list[int],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+        eos_ids: list[int],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+    ) -> "SamplingBatch":
         """Build the step's tensors for `len(params)` rows.
 
         `seeds[b]`: the row's seed (always an int; the engine draws one when the user gave
@@ -175,8 +183,9 @@ class SamplingBatch:
         elif use_k:
             self.sort_width = max(tks)  # every row has top_k: a partial topk suffices
 
-    def _set_penalties(self, params: list[SamplingParams], p_rows: list[int], prompt_ids: list[list[int]],
-                       output_ids: list[list[int]]) -> None:
+    def _set_penalties(
+        self, params: list[SamplingParams], p_rows: list[int], prompt_ids: list[list[int]], output_ids: list[list[int]]
+    ) -> None:
         """Repetition penalty as (index, factor) over prompt + output ids; frequency and presence
         penalties folded into one [P, V] tensor subtracted from the logits."""
         dev, V, P = self.device, self.vocab_size, len(p_rows)
@@ -185,20 +194,24 @@ class SamplingBatch:
         rep = [(j, b) for j, b in enumerate(p_rows) if params[b].repetition_penalty != 1.0]
         if rep:
             lens = [len(prompt_ids[b]) + len(output_ids[b]) for _, b in rep]
-            flat = _flat_index([j for j, _ in rep], lens, chain.from_iterable(
-                chain(prompt_ids[b], output_ids[b]) for _, b in rep), V)
+            flat = _flat_index(
+                [j for j, _ in rep], lens, chain.from_iterable(chain(prompt_ids[b], output_ids[b]) for _, b in rep), V
+            )
             factor = torch.repeat_interleave(
                 torch.tensor([float(params[b].repetition_penalty) for _, b in rep]),
-                torch.tensor(lens, dtype=torch.int64))
+                torch.tensor(lens, dtype=torch.int64),
+            )
             # Duplicate indices are harmless: each reads the original logit and writes
             # the same value back.
             self.rep_index, self.rep_factor = flat.to(dev), factor.to(dev)
-        fp = [(j, b) for j, b in enumerate(p_rows)
-              if params[b].frequency_penalty != 0.0 or params[b].presence_penalty != 0.0]
+        fp = [
+            (j, b)
+            for j, b in enumerate(p_rows)
+            if params[b].frequency_penalty != 0.0 or params[b].presence_penalty != 0.0
+        ]
         if fp:
             lens = [len(output_ids[b]) for _, b in fp]
-            flat = _flat_index([j for j, _ in fp], lens,
-                               chain.from_iterable(output_ids[b] for _, b in fp), V).to(dev)
+            flat = _flat_index([j for j, _ in fp], lens, chain.from_iterable(output_ids[b] for _, b in fp), V).to(dev)
             counts = torch.zeros(P * V, dtype=torch.float32, device=dev)
             counts.scatter_add_(0, flat, torch.ones(flat.numel(), dtype=torch.float32, device=dev))
             counts = counts.view(P, V)
@@ -220,19 +233,21 @@ def _i64(xs: list[int], dev: torch.device) -> torch.Tensor:
 @dataclass
 class _RowLists:
     """One pass over a batch's rows into plain Python lists; tensors are made once from them."""
-    blk_rows: list[int] = field(default_factory=list)   # (row, id) pairs blocked (EOS before min_new_tokens)
+
+    blk_rows: list[int] = field(default_factory=list)  # (row, id) pairs blocked (EOS before min_new_tokens)
     blk_cols: list[int] = field(default_factory=list)
-    s_rows: list[int] = field(default_factory=list)     # rows that sample, and their parameters
+    s_rows: list[int] = field(default_factory=list)  # rows that sample, and their parameters
     temps: list[float] = field(default_factory=list)
     keys: list[int] = field(default_factory=list)
     tks: list[int] = field(default_factory=list)
     tps: list[float] = field(default_factory=list)
     mps: list[float] = field(default_factory=list)
-    p_rows: list[int] = field(default_factory=list)     # rows with a penalty
+    p_rows: list[int] = field(default_factory=list)  # rows with a penalty
 
     @classmethod
-    def collect(cls, params: list[SamplingParams], seeds: list[int], steps: list[int], eos: list[int],
-                V: int) -> "_RowLists":
+    def collect(
+        cls, params: list[SamplingParams], seeds: list[int], steps: list[int], eos: list[int], V: int
+    ) -> "_RowLists":
         out = cls()
         for b, p in enumerate(params):
             step = int(steps[b])
@@ -264,8 +279,7 @@ def _flat_index(rows: list[int], lengths: list[int], tokens, V: int) -> torch.Te
     toks = torch.tensor(list(tokens), dtype=torch.int64)
     if toks.numel() and (int(toks.min()) < 0 or int(toks.max()) >= V):
         raise ValueError(f"token ids must be in [0, {V})")
-    r = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64),
-                                torch.tensor(lengths, dtype=torch.int64))
+    r = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64))
     return r.mul_(V).add_(toks)
 
 

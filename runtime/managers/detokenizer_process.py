@@ -10,6 +10,7 @@ It loads only the tokenizer and runs no model. It exits on a Shutdown message (f
 on SIGTERM, or when its parent process is gone. Started with multiprocessing's "spawn" context;
 this module imports nothing heavy at the top, so the parent can import it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -75,11 +76,13 @@ class DetokenizerWorker:
             if reason is not None and isinstance(reason.get("matched"), int) and new and new[-1] == reason["matched"]:
                 new = new[:-1]
             out.text_delta = state.add(new, final=reason is not None) if (new or reason is not None) else ""
-        except Exception as e:   # a bug, or ids the tokenizer cannot decode: the caller still hears
+        except Exception as e:  # a bug, or ids the tokenizer cannot decode: the caller still hears
             logger.exception("could not detokenize the output of %s", out.rid)
             out.text_delta = ""
-            out.finish_reason = reason = {"type": "abort",
-                                          "message": f"internal error: detokenization failed: {type(e).__name__}: {e}"}
+            out.finish_reason = reason = {
+                "type": "abort",
+                "message": f"internal error: detokenization failed: {type(e).__name__}: {e}",
+            }
         # the options have done their work; the engine does not need them
         out.skip_special_tokens = out.spaces_between_special_tokens = None
         if reason is not None:
@@ -90,7 +93,7 @@ def run_detokenizer(model_path: str, ipc_dir: str, parent_pid: int, log_level: s
     """Process entry point: load the tokenizer of `model_path` (a resolved local folder), then
     serve until told to stop or until process `parent_pid` is gone. If the tokenizer cannot be
     loaded, the engine hears a Fatal (it does not wait on Ready from the scheduler forever)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch may be imported
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch may be imported
     os.environ["OMP_NUM_THREADS"] = "1"
     # Ctrl-C reaches the whole process group; the parent decides what happens to us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -103,12 +106,20 @@ def run_detokenizer(model_path: str, ipc_dir: str, parent_pid: int, log_level: s
     try:
         try:
             from ..model_executor.model_loader import load_tokenizer
+
             tokenizer = load_tokenizer(model_path)
         except Exception as e:
-            out.send(codec.encode(Fatal(message=f"could not load the tokenizer: {e}", process="detokenizer",
-                                        traceback=traceback.format_exc())))
+            out.send(
+                codec.encode(
+                    Fatal(
+                        message=f"could not load the tokenizer: {e}",
+                        process="detokenizer",
+                        traceback=traceback.format_exc(),
+                    )
+                )
+            )
             return
-        torch = sys.modules.get("torch")   # transformers may import it; no compute here
+        torch = sys.modules.get("torch")  # transformers may import it; no compute here
         if torch is not None:
             torch.set_num_threads(1)
         orphaned = _serve(DetokenizerWorker(tokenizer), recv, out, codec, parent_pid)
@@ -116,7 +127,7 @@ def run_detokenizer(model_path: str, ipc_dir: str, parent_pid: int, log_level: s
         recv.close()
         out.close(linger=0 if orphaned else SEND_LINGER_MS)
         ctx.term()
-    if orphaned or os.getppid() != parent_pid:   # a dead parent cannot remove its socket directory
+    if orphaned or os.getppid() != parent_pid:  # a dead parent cannot remove its socket directory
         remove_ipc_dir(ipc_dir)
 
 

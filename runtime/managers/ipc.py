@@ -8,6 +8,7 @@ write to the socket cannot make us run code).
 Wiring: each direction is one PUSH -> PULL pair; the receiver binds and the sender connects,
 so a sender may send before its peer is up (ZeroMQ queues on a connecting socket).
 """
+
 from __future__ import annotations
 
 import numbers
@@ -34,11 +35,13 @@ _MAX_DIR_LEN = 90
 # --- messages to the scheduler --------------------------------------------------------------
 class AbortReq(msgspec.Struct, tag=True):
     """Abort one request; its KV is released and it finishes with reason `abort`."""
+
     rid: str
 
 
 class RpcReq(msgspec.Struct, tag=True):
     """Call a scheduler method by name (`flush_cache`, `kv_slots_in_use`, `get_server_info`)."""
+
     id: int
     method: str
 
@@ -50,6 +53,7 @@ class Shutdown(msgspec.Struct, tag=True):
 # --- messages from the scheduler ------------------------------------------------------------
 class RpcReply(msgspec.Struct, tag=True):
     """The answer to RpcReq `id`: a JSON-able result, or an error message."""
+
     id: int
     result: Any = None
     error: str | None = None
@@ -57,17 +61,20 @@ class RpcReply(msgspec.Struct, tag=True):
 
 class TokenOutputBatch(msgspec.Struct, tag=True):
     """Everything one scheduler step produced (one message per step, not per request)."""
+
     outputs: list[TokenOutput]
 
 
 class Ready(msgspec.Struct, tag=True):
     """The model is loaded; `info` holds the facts the server side validates against."""
+
     info: dict[str, Any]
 
 
 class Fatal(msgspec.Struct, tag=True):
     """The scheduler (or the detokenizer: `process`) cannot go on (or could not start). `kind` is
     `value` for bad input (raised as ValueError by the engine) and `runtime` for anything else."""
+
     message: str
     kind: str = "runtime"
     traceback: str = ""
@@ -110,7 +117,7 @@ class Codec:
 def make_ipc_dir() -> str:
     """A fresh directory only this user can enter (mode 0700), short enough for socket paths."""
     base = None if len(tempfile.gettempdir()) < _MAX_DIR_LEN - 20 else "/tmp"
-    path = tempfile.mkdtemp(prefix="plait-", dir=base)   # mkdtemp creates it 0700
+    path = tempfile.mkdtemp(prefix="plait-", dir=base)  # mkdtemp creates it 0700
     os.chmod(path, 0o700)
     return path
 

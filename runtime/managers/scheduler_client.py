@@ -6,6 +6,7 @@ One background thread receives. It also watches both processes: if either dies, 
 request finishes with an abort naming the process and the cause, pending calls raise, and later
 use raises RuntimeError — nothing waits forever on a process that is gone.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,9 +58,11 @@ LATE_FATAL_S = 10.0
 STOP_TIMEOUT_S = 5.0
 TERM_TIMEOUT_S = 2.0
 
-_MAIN_GUARD_HINT = ("if a script creates the Engine when it is imported, put that under "
-                    "`if __name__ == '__main__':` (the scheduler process is started with multiprocessing "
-                    "'spawn', which imports the main module again)")
+_MAIN_GUARD_HINT = (
+    "if a script creates the Engine when it is imported, put that under "
+    "`if __name__ == '__main__':` (the scheduler process is started with multiprocessing "
+    "'spawn', which imports the main module again)"
+)
 
 
 class SchedulerClient:
@@ -77,29 +80,32 @@ class SchedulerClient:
         self._recv = pull_socket(self._ctx, endpoint(self.ipc_dir, DETOKENIZER_OUT))
         self._send = push_socket(self._ctx, endpoint(self.ipc_dir, SCHEDULER_IN))
         self._send_detok = push_socket(self._ctx, endpoint(self.ipc_dir, SCHEDULER_OUT))
-        self._codec = Codec(FromDetokenizer)   # encode under _lock; decode on the receiver only
-        self._lock = threading.Lock()          # guards _send, _sinks, _rpcs, error
+        self._codec = Codec(FromDetokenizer)  # encode under _lock; decode on the receiver only
+        self._lock = threading.Lock()  # guards _send, _sinks, _rpcs, error
         self._sinks: dict[str, Sink] = {}
         # Aborts that arrived before their request was submitted (a client racing its own
         # request); bounded, oldest forgotten first.
         self._early_aborts: dict[str, None] = {}
-        self._recently_done: dict[str, None] = {}   # so aborting a finished rid is not "early"
+        self._recently_done: dict[str, None] = {}  # so aborting a finished rid is not "early"
         self._rpcs: dict[int, Future] = {}
         self._ids = itertools.count()
-        self.error: str | None = None          # set once the processes can no longer be used
+        self.error: str | None = None  # set once the processes can no longer be used
         self._closed = False
         self._thread: threading.Thread | None = None
         child_args = dataclasses.replace(args, model=model_path)
-        if args.tp_size > 1 and not args.dist_init_addr:   # single node: rank 0's store on loopback
+        if args.tp_size > 1 and not args.dist_init_addr:  # single node: rank 0's store on loopback
             child_args.dist_init_addr = free_loopback_addr()
         spawn = mp.get_context("spawn")
         # daemon: multiprocessing terminates them at interpreter exit even if nobody shuts down.
         self.process = spawn.Process(
-            target=run_scheduler, args=(child_args, self.ipc_dir, os.getpid()), name="plait-scheduler",
-            daemon=True)
+            target=run_scheduler, args=(child_args, self.ipc_dir, os.getpid()), name="plait-scheduler", daemon=True
+        )
         self.detokenizer = spawn.Process(
-            target=run_detokenizer, args=(model_path, self.ipc_dir, os.getpid(), args.log_level),
-            name="plait-detokenizer", daemon=True)
+            target=run_detokenizer,
+            args=(model_path, self.ipc_dir, os.getpid(), args.log_level),
+            name="plait-detokenizer",
+            daemon=True,
+        )
         # Tensor parallelism: ranks > 0, which only run the forwards rank 0 (the scheduler) sends.
         self.tp_workers = tp_worker_processes(child_args, self.ipc_dir, os.getpid())
         try:
@@ -113,8 +119,9 @@ class SchedulerClient:
             raise
 
     def _processes(self) -> list[tuple[str, Any]]:
-        return [("scheduler", self.process), ("detokenizer", self.detokenizer)] + \
-            [(proc.name, proc) for proc in self.tp_workers]
+        return [("scheduler", self.process), ("detokenizer", self.detokenizer)] + [
+            (proc.name, proc) for proc in self.tp_workers
+        ]
 
     # --- start-up ------------------------------------------------------------------------------
     def wait_ready(self) -> dict[str, Any]:
@@ -135,8 +142,7 @@ class SchedulerClient:
                     if isinstance(msg, Fatal):
                         if msg.kind == "value":
                             raise ValueError(msg.message)
-                        raise RuntimeError(f"the {msg.process} process failed to start: {msg.message}\n"
-                                           f"{msg.traceback}")
+                        raise RuntimeError(f"the {msg.process} process failed to start: {msg.message}\n{msg.traceback}")
                     continue
                 for name, proc in self._processes():
                     if proc.is_alive():
@@ -147,8 +153,10 @@ class SchedulerClient:
                     if self._recv.poll(int(wait * 1000)):
                         break
                     what = "the tokenizer was loaded" if name == "detokenizer" else "the model was loaded"
-                    raise RuntimeError(f"the {name} process exited with code {proc.exitcode} "
-                                       f"before {what} (its error output is above); {_MAIN_GUARD_HINT}")
+                    raise RuntimeError(
+                        f"the {name} process exited with code {proc.exitcode} "
+                        f"before {what} (its error output is above); {_MAIN_GUARD_HINT}"
+                    )
         except BaseException:
             self.close()
             raise
@@ -211,7 +219,7 @@ class SchedulerClient:
                 if self._closed:
                     return
                 if self._recv in events:
-                    while not self._closed:   # drain before looking at the process again
+                    while not self._closed:  # drain before looking at the process again
                         try:
                             data = self._recv.recv(zmq.NOBLOCK)
                         except zmq.Again:
@@ -220,7 +228,7 @@ class SchedulerClient:
                 else:
                     for sentinel, (name, proc) in sentinels.items():
                         if sentinel in events:
-                            proc.join(1.0)   # reap it, for the exit code
+                            proc.join(1.0)  # reap it, for the exit code
                             cause = f"the {name} process died unexpectedly (exit code {proc.exitcode})"
                             return
         except Exception as e:  # a bug here must not leave callers waiting
@@ -235,8 +243,10 @@ class SchedulerClient:
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, TokenOutputBatch):
             with self._lock:
-                routed = [(self._sinks.get(o.rid) if o.finish_reason is None else self._sinks.pop(o.rid, None), o)
-                          for o in msg.outputs]
+                routed = [
+                    (self._sinks.get(o.rid) if o.finish_reason is None else self._sinks.pop(o.rid, None), o)
+                    for o in msg.outputs
+                ]
                 for o in msg.outputs:
                     if o.finish_reason is not None:
                         _remember(self._recently_done, o.rid)
@@ -282,9 +292,10 @@ class SchedulerClient:
         serving = thread is not None
         # tensor-parallel ranks > 0 have no socket: rank 0 stops them when it stops
         socks = (self._send, self._send_detok) + (None,) * len(self.tp_workers)
-        procs = [(name, proc, sock) for (name, proc), sock in zip(self._processes(), socks)
-                 if proc.pid is not None]   # those that were started
-        if serving:   # ask both to stop at once; while they load, SIGTERM stops them at once
+        procs = [
+            (name, proc, sock) for (name, proc), sock in zip(self._processes(), socks) if proc.pid is not None
+        ]  # those that were started
+        if serving:  # ask both to stop at once; while they load, SIGTERM stops them at once
             for _, proc, sock in procs:
                 if sock is None:
                     continue

@@ -14,6 +14,7 @@ held requests are aborted with the error, a Fatal goes to the engine, and the pr
 Started with multiprocessing's "spawn" context (a fresh interpreter: torch and its thread pools
 are never forked). This module imports nothing heavy at the top, so the parent can import it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -77,7 +78,7 @@ class SchedulerWorker:
         self.quiet: set[str] = set()
         self.held: dict[str, TokenOutput] = {}
         self.stopping = False
-        self.fatal: str | None = None   # set when the process cannot go on (a tensor-parallel rank is gone)
+        self.fatal: str | None = None  # set when the process cannot go on (a tensor-parallel rank is gone)
 
     def handle(self, msg: Any) -> None:
         """Act on one incoming message."""
@@ -111,7 +112,7 @@ class SchedulerWorker:
         except Exception as e:
             logger.exception("scheduler step failed")
             outputs = self._abort_all(f"internal error: {type(e).__name__}: {e}")
-            if getattr(e, "fatal", False):   # parallel.RankFailure: the ranks can no longer step together
+            if getattr(e, "fatal", False):  # parallel.RankFailure: the ranks can no longer step together
                 self.fatal = str(e)
         self._emit(outputs)
 
@@ -131,7 +132,7 @@ class SchedulerWorker:
         sending = []
         for out in outputs:
             opts = self.detok_opts.pop(out.rid, None)
-            if opts is not None:   # the request's first output: the detokenizer needs these
+            if opts is not None:  # the request's first output: the detokenizer needs these
                 out.skip_special_tokens, out.spaces_between_special_tokens = opts
             held = self.held.pop(out.rid, None)
             if held is not None:
@@ -139,7 +140,7 @@ class SchedulerWorker:
             if out.finish_reason is not None:
                 self.live.discard(out.rid)
                 self.quiet.discard(out.rid)
-            elif out.rid in self.quiet:   # a non-streaming request: hold until it finishes
+            elif out.rid in self.quiet:  # a non-streaming request: hold until it finishes
                 self.held[out.rid] = out
                 continue
             sending.append(out)
@@ -153,12 +154,21 @@ class SchedulerWorker:
         if method == "kv_slots_in_use":
             return s.kv_slots_in_use()
         if method == "get_server_info":
-            return {"num_prompt_tokens": s.num_prompt_tokens, "num_cached_tokens": s.num_cached_tokens,
-                    "num_generated_tokens": s.num_generated_tokens, "num_retractions": s.num_retractions, "num_jump_forward_tokens": s.num_jump_forward_tokens,
-                    "max_total_num_tokens": s.num_slots, "cache_size": s.cache.total_size(),
-                    "free_slots": s.allocator.available(), "context_length": s.context_len,
-                    "num_running": len(s.running), "num_waiting": len(s.waiting),
-                    "tp_size": s.args.tp_size, **s.speculative_stats()}
+            return {
+                "num_prompt_tokens": s.num_prompt_tokens,
+                "num_cached_tokens": s.num_cached_tokens,
+                "num_generated_tokens": s.num_generated_tokens,
+                "num_retractions": s.num_retractions,
+                "num_jump_forward_tokens": s.num_jump_forward_tokens,
+                "max_total_num_tokens": s.num_slots,
+                "cache_size": s.cache.total_size(),
+                "free_slots": s.allocator.available(),
+                "context_length": s.context_len,
+                "num_running": len(s.running),
+                "num_waiting": len(s.waiting),
+                "tp_size": s.args.tp_size,
+                **s.speculative_stats(),
+            }
         raise ValueError(f"unknown method {method!r}")
 
 
@@ -186,19 +196,26 @@ def openmp_environ(args: ServerArgs) -> Iterator[None]:
 def ready_info(scheduler: Any) -> dict[str, Any]:
     """What the engine process needs to know about the loaded model."""
     runner = scheduler.runner
-    return {"model_path": runner.model_path, "tokenizer_path": runner.model_path,
-            "context_len": scheduler.context_len, "num_slots": scheduler.num_slots,
-            "vocab_size": runner.vocab_size, "eos_ids": sorted(scheduler.eos_ids),
-            "hidden_size": runner.config.hidden_size,
-            "dtype": str(runner.dtype).removeprefix("torch."), "device": str(runner.device), "pid": os.getpid(),
-            "tp_size": scheduler.args.tp_size}
+    return {
+        "model_path": runner.model_path,
+        "tokenizer_path": runner.model_path,
+        "context_len": scheduler.context_len,
+        "num_slots": scheduler.num_slots,
+        "vocab_size": runner.vocab_size,
+        "eos_ids": sorted(scheduler.eos_ids),
+        "hidden_size": runner.config.hidden_size,
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "device": str(runner.device),
+        "pid": os.getpid(),
+        "tp_size": scheduler.args.tp_size,
+    }
 
 
 def run_scheduler(args: ServerArgs, ipc_dir: str, parent: int) -> None:
     """Process entry point: load the model from `args` (`args.model` already resolved to a local
     folder by the parent), send Ready (or Fatal), then serve until told to stop or until process
     `parent` (the engine's, passed in: by the time we run it may already be gone) is gone."""
-    set_openmp_defaults(args.omp_spincount)   # unless inherited from the parent; before torch loads
+    set_openmp_defaults(args.omp_spincount)  # unless inherited from the parent; before torch loads
     # Ctrl-C reaches the whole process group; the parent decides what happens to us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.getLogger("plait").setLevel(args.log_level.upper())
@@ -219,12 +236,19 @@ def run_scheduler(args: ServerArgs, ipc_dir: str, parent: int) -> None:
             import torch
 
             from ..distributed.parallel import threads_per_rank
+
             torch.set_num_threads(threads_per_rank(args))
             from ..scheduler.scheduler import Scheduler
+
             scheduler = Scheduler(args)
         except Exception as e:  # reported to the parent, which raises it from Engine()
-            send(Fatal(message=str(e), kind="value" if isinstance(e, ValueError) else "runtime",
-                       traceback=traceback.format_exc()))
+            send(
+                Fatal(
+                    message=str(e),
+                    kind="value" if isinstance(e, ValueError) else "runtime",
+                    traceback=traceback.format_exc(),
+                )
+            )
             return
         finally:
             loading.clear()
@@ -236,15 +260,15 @@ def run_scheduler(args: ServerArgs, ipc_dir: str, parent: int) -> None:
         try:
             orphaned = _serve(worker, recv, codec, parent)
         finally:
-            scheduler.runner.close()   # releases the other tensor-parallel ranks
+            scheduler.runner.close()  # releases the other tensor-parallel ranks
         if worker.fatal is not None:
             send(Fatal(message=worker.fatal))
             fatal = True
     finally:
         recv.close()
-        out.close(linger=0 if orphaned else SEND_LINGER_MS)   # nobody left to read them
+        out.close(linger=0 if orphaned else SEND_LINGER_MS)  # nobody left to read them
         ctx.term()
-    if orphaned or os.getppid() != parent:   # a dead parent cannot remove its socket directory
+    if orphaned or os.getppid() != parent:  # a dead parent cannot remove its socket directory
         remove_ipc_dir(ipc_dir)
     if fatal:
         sys.exit(1)
@@ -281,7 +305,7 @@ def _serve(worker: SchedulerWorker, recv: zmq.Socket, codec: Codec, parent: int)
                 last_sync = time.monotonic()
                 try:
                     sched.runner.keepalive()
-                except RuntimeError as e:   # parallel.RankFailure
+                except RuntimeError as e:  # parallel.RankFailure
                     logger.error("%s", e)
                     worker.fatal = str(e)
                     break
@@ -307,15 +331,19 @@ def tp_worker_processes(args: ServerArgs, ipc_dir: str | None, parent: int) -> l
     import multiprocessing as mp
 
     from ..distributed.parallel import ranks_on_this_node
+
     spawn = mp.get_context("spawn")
-    return [spawn.Process(target=run_tp_worker, args=(args, rank, ipc_dir, parent), name=f"tp rank {rank}",
-                          daemon=True)
-            for rank in ranks_on_this_node(args) if rank != 0]
+    return [
+        spawn.Process(target=run_tp_worker, args=(args, rank, ipc_dir, parent), name=f"tp rank {rank}", daemon=True)
+        for rank in ranks_on_this_node(args)
+        if rank != 0
+    ]
 
 
 def free_loopback_addr() -> str:
     """`127.0.0.1:PORT` with a port free now: the single-node default for `dist_init_addr`."""
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"127.0.0.1:{s.getsockname()[1]}"
@@ -326,31 +354,40 @@ def run_tp_worker(args: ServerArgs, rank: int, ipc_dir: str | None, parent: int)
     forwards rank 0 sends until it says stop. Exits (code 1) when rank 0 is gone or the group
     fails, and at once when process `parent` is gone. A load failure is reported to the engine
     as a Fatal when `ipc_dir` is given (on node 0)."""
-    set_openmp_defaults(args.omp_spincount)   # unless inherited from the parent; before torch loads
+    set_openmp_defaults(args.omp_spincount)  # unless inherited from the parent; before torch loads
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.getLogger("plait").setLevel(args.log_level.upper())
     alive = threading.Event()
-    alive.set()   # for the whole life of the process: the main thread blocks in collectives
+    alive.set()  # for the whole life of the process: the main thread blocks in collectives
     threading.Thread(target=_exit_if_orphaned_while, args=(alive, parent, None), daemon=True).start()
     try:
         from ..model_executor.model_runner import ModelRunner
+
         runner = ModelRunner(args, rank)
     except Exception as e:
         logger.error("tensor-parallel rank %d failed to start: %s", rank, e)
         if ipc_dir is not None:
-            _send_fatal(ipc_dir, Fatal(message=str(e), kind="value" if isinstance(e, ValueError) else "runtime",
-                                       traceback=traceback.format_exc(), process=f"tp rank {rank}"))
+            _send_fatal(
+                ipc_dir,
+                Fatal(
+                    message=str(e),
+                    kind="value" if isinstance(e, ValueError) else "runtime",
+                    traceback=traceback.format_exc(),
+                    process=f"tp rank {rank}",
+                ),
+            )
         sys.exit(1)
-    gc.freeze()   # as in run_scheduler
+    gc.freeze()  # as in run_scheduler
     code = 0
     try:
         runner.follow()
-    except RuntimeError as e:   # RankFailure: rank 0 is gone; the engine hears of it from rank 0 or its exit
+    except RuntimeError as e:  # RankFailure: rank 0 is gone; the engine hears of it from rank 0 or its exit
         logger.warning("tensor-parallel rank %d stops: %s", rank, e)
         code = 1
     finally:
         runner.close()
     from ..distributed.parallel import exit_rank
+
     exit_rank(code)
 
 

@@ -9,6 +9,7 @@ it was copied (every pool write is stamped with the step that made it). Anything
 request, retraction, a rewritten table row (prefix-cache dedup), rejected drafts, a request
 that skipped a step — refills that row from the pool. No caller has to invalidate anything.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,26 +21,27 @@ from ..model_executor import weight_arena
 from ..model_executor.forward_batch import AttnGroup, cached_arange
 from .memory_pool import KVPool, index_copy_bits_, index_select_bits
 
-_LEN_STEP = 256      # mirror length grows in steps of this many tokens
-_ROW_STEP = 8        # and its row count (above 8 rows) in steps of this many rows
+_LEN_STEP = 256  # mirror length grows in steps of this many tokens
+_ROW_STEP = 8  # and its row count (above 8 rows) in steps of this many rows
 
 
 @dataclass
 class MirrorPlan:
     """What one step does to the mirror; computed once per step, applied per layer."""
-    n: int                            # decode rows; mirror rows [0, n) hold them
-    length: int                       # keys attended (the group's max_kv)
-    max_q: int                        # new tokens of the longest row (1 unless drafts are verified)
-    target: torch.Tensor              # [n] mirror row of batch row b
-    order: torch.Tensor | None        # [n] batch row held by mirror row m; None when identity
-    q_slots: torch.Tensor | None      # max_q > 1: [tokens] place of each token in the padded
-                                      # [n * max_q] query layout, mirror order
-    keep_tok: torch.Tensor | None     # tokens appended in place (rows kept); None when all are
-    keep_at: torch.Tensor             # [len(keep_tok) * kv_heads] where their K/V rows go in the
-                                      # mirror viewed as [rows * kv_heads * length, head_dim]
-    fill_idx: torch.Tensor | None     # [F, fill_len] pool slots of rows copied in full; None if none
-    fill_t: torch.Tensor | slice      # their mirror rows (a slice when contiguous)
-    mask: torch.Tensor | None         # [n, 1, max_q, length] additive mask (mirror order); None if none needed
+
+    n: int  # decode rows; mirror rows [0, n) hold them
+    length: int  # keys attended (the group's max_kv)
+    max_q: int  # new tokens of the longest row (1 unless drafts are verified)
+    target: torch.Tensor  # [n] mirror row of batch row b
+    order: torch.Tensor | None  # [n] batch row held by mirror row m; None when identity
+    q_slots: torch.Tensor | None  # max_q > 1: [tokens] place of each token in the padded
+    # [n * max_q] query layout, mirror order
+    keep_tok: torch.Tensor | None  # tokens appended in place (rows kept); None when all are
+    keep_at: torch.Tensor  # [len(keep_tok) * kv_heads] where their K/V rows go in the
+    # mirror viewed as [rows * kv_heads * length, head_dim]
+    fill_idx: torch.Tensor | None  # [F, fill_len] pool slots of rows copied in full; None if none
+    fill_t: torch.Tensor | slice  # their mirror rows (a slice when contiguous)
+    mask: torch.Tensor | None  # [n, 1, max_q, length] additive mask (mirror order); None if none needed
 
 
 class DecodeMirror:
@@ -50,21 +52,21 @@ class DecodeMirror:
         self.num_layers = len(pool.k)
         _, self.kv_heads, self.head_dim = pool.k[0].shape
         self.dtype = pool.k[0].dtype
-        self.mask_dtype = mask_dtype or self.dtype   # the dtype SDPA runs in over the mirror
+        self.mask_dtype = mask_dtype or self.dtype  # the dtype SDPA runs in over the mirror
         self.budget_bytes = budget_bytes
         # Step stamp of the last write to every pool slot: a copied slot is stale once it changes.
         self.slot_stamp = torch.zeros(pool.k[0].shape[0], dtype=torch.int64)
         self.clock = 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
-        self.generation = 0   # counts the replacements of the blocks in k / v (their holders compare it)
+        self.generation = 0  # counts the replacements of the blocks in k / v (their holders compare it)
         self._reset_index(0, 0)
 
     def _reset_index(self, rows: int, length: int) -> None:
-        self.ids = torch.zeros((rows, length), dtype=torch.int64)      # pool slot of each entry
+        self.ids = torch.zeros((rows, length), dtype=torch.int64)  # pool slot of each entry
         self.stamps = torch.full((rows, length), -1, dtype=torch.int64)  # its stamp when copied
-        self.lens = torch.zeros(rows, dtype=torch.int64)                # valid entries per mirror row
-        self.mirror_row: dict[int, int] = {}                           # request row -> mirror row
+        self.lens = torch.zeros(rows, dtype=torch.int64)  # valid entries per mirror row
+        self.mirror_row: dict[int, int] = {}  # request row -> mirror row
 
     @property
     def capacity(self) -> tuple[int, int]:
@@ -77,7 +79,7 @@ class DecodeMirror:
         """Start a step that writes pool slots `written` (every group's): stamp them, so that a
         mirrored copy of any of them reads as stale from now on."""
         self.clock += 1
-        self.slot_stamp.index_fill_(0, written, self.clock)   # (a lighter op than indexed assignment)
+        self.slot_stamp.index_fill_(0, written, self.clock)  # (a lighter op than indexed assignment)
 
     def plan(self, g: AttnGroup, with_mask: bool = True) -> MirrorPlan | None:
         """Decide, for decode group `g`, which rows only append their new tokens and which are
@@ -125,15 +127,25 @@ class DecodeMirror:
         if keep_tok.numel():
             self.ids[kt, kpos] = kv[row_of[keep_tok], kpos]
             self.stamps[kt, kpos] = self.clock
-        keep_at = ((kt[:, None] * self.kv_heads + torch.arange(self.kv_heads)[None, :]) * self.capacity[1]
-                   + kpos[:, None]).reshape(-1)
+        keep_at = (
+            (kt[:, None] * self.kv_heads + torch.arange(self.kv_heads)[None, :]) * self.capacity[1] + kpos[:, None]
+        ).reshape(-1)
         q_slots = None
         if max_q > 1:
             q_slots = target[row_of] * max_q + pos - pre[row_of]
-        return MirrorPlan(n, length, max_q, target, order, q_slots,
-                          None if keep_tok.numel() == row_of.numel() else keep_tok, keep_at,
-                          fill_idx, fill_t,
-                          self._mask(n, length, max_q, ext if order is None else ext[order]) if with_mask else None)
+        return MirrorPlan(
+            n,
+            length,
+            max_q,
+            target,
+            order,
+            q_slots,
+            None if keep_tok.numel() == row_of.numel() else keep_tok,
+            keep_at,
+            fill_idx,
+            fill_t,
+            self._mask(n, length, max_q, ext if order is None else ext[order]) if with_mask else None,
+        )
 
     def _plan_steady(self, g: AttnGroup, kv: torch.Tensor) -> MirrorPlan | None:
         """The steady step in one op (`cpu_kernels.mirror_steady_`): every row at the mirror row it
@@ -144,8 +156,7 @@ class DecodeMirror:
         targets = [self.mirror_row.get(r, -1) for r in g.rows]
         # distinct by construction (one full plan's mapping, unchanged since); checked all the same:
         # two rows appending to one mirror row would corrupt it
-        if (not cpu_kernels.kv_enabled(self.pool.k[0]) or not all(0 <= t < n for t in targets)
-                or len(set(targets)) != n):
+        if not cpu_kernels.kv_enabled(self.pool.k[0]) or not all(0 <= t < n for t in targets) or len(set(targets)) != n:
             return None
         identity = targets == list(range(n))
         target = cached_arange(n, "cpu") if identity else torch.tensor(targets)
@@ -157,12 +168,14 @@ class DecodeMirror:
         # checked against the pool before its mirror is used
         return self._append_plan(g, kv, target, order)
 
-    def _append_plan(self, g: AttnGroup, kv: torch.Tensor, target: torch.Tensor,
-                     order: torch.Tensor | None) -> MirrorPlan | None:
+    def _append_plan(
+        self, g: AttnGroup, kv: torch.Tensor, target: torch.Tensor, order: torch.Tensor | None
+    ) -> MirrorPlan | None:
         """`mirror_steady_` for batch row b at mirror row `target[b]` (`order`: its inverse, None when
         identity), and the plan of that step; None where a mirror no longer equals the pool."""
-        keep_at = cpu_kernels.ops.mirror_steady_(self.ids, self.stamps, self.lens, self.slot_stamp, kv,
-                                                     g.prefix_lens, target, self.clock, self.kv_heads)
+        keep_at = cpu_kernels.ops.mirror_steady_(
+            self.ids, self.stamps, self.lens, self.slot_stamp, kv, g.prefix_lens, target, self.clock, self.kv_heads
+        )
         if keep_at.numel() == 0:
             return None
         return MirrorPlan(g.bsz, g.max_kv, 1, target, order, None, None, keep_at, None, slice(0, 0), None)
@@ -185,7 +198,7 @@ class DecodeMirror:
         cand_b, cand_t = [], []
         for b, row in enumerate(g.rows):
             t = self.mirror_row.get(row, -1)
-            if 0 <= t < n:       # rows beyond n are refilled: the batch must be mirror rows [0, n)
+            if 0 <= t < n:  # rows beyond n are refilled: the batch must be mirror rows [0, n)
                 cand_b.append(b)
                 cand_t.append(t)
         keep = torch.zeros(n, dtype=torch.bool)
@@ -195,8 +208,8 @@ class DecodeMirror:
             # More than the prefix is fine: rejected drafts, overwritten by this step's tokens.
             ok = self.lens[ct] >= pre[cb]
             if length > 1:
-                old = kv[cb, :length - 1]          # prefixes are shorter than the group's max_kv
-                same = (self.ids[ct, :length - 1] == old) & (self.stamps[ct, :length - 1] == self.slot_stamp[old])
+                old = kv[cb, : length - 1]  # prefixes are shorter than the group's max_kv
+                same = (self.ids[ct, : length - 1] == old) & (self.stamps[ct, : length - 1] == self.slot_stamp[old])
                 live = torch.arange(length - 1)[None, :] < pre[cb, None]
                 ok &= (same | ~live).all(1)
             keep[cb[ok]] = True
@@ -205,7 +218,7 @@ class DecodeMirror:
         if fill_b.numel():
             used = torch.zeros(n, dtype=torch.bool)
             used[target[keep]] = True
-            target[fill_b] = (~used).nonzero().view(-1)[:fill_b.numel()]
+            target[fill_b] = (~used).nonzero().view(-1)[: fill_b.numel()]
         return target, keep
 
     def _mask(self, n: int, length: int, max_q: int, ext_m: torch.Tensor) -> torch.Tensor | None:
@@ -222,7 +235,9 @@ class DecodeMirror:
         mask = torch.zeros((n, 1, last.shape[1], length), dtype=self.mask_dtype)
         return mask.masked_fill_(torch.arange(length)[None, None, None, :] > last[:, None, :, None], float("-inf"))
 
-    def update(self, layer: int, plan: MirrorPlan, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, layer: int, plan: MirrorPlan, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Bring layer `layer` up to date (the pool already holds this step's K/V `k`, `v` of the
         decode rows, batch order) and return its keys/values `[n, kv_heads, length, head_dim]`."""
         mk, mv = self.k[layer], self.v[layer]
@@ -243,7 +258,7 @@ class DecodeMirror:
             else:
                 mk[plan.fill_t, :, :fill_len] = gk
                 mv[plan.fill_t, :, :fill_len] = gv
-        return mk[:plan.n, :, :plan.length], mv[:plan.n, :, :plan.length]
+        return mk[: plan.n, :, : plan.length], mv[: plan.n, :, : plan.length]
 
     def _ensure_capacity(self, n: int, length: int) -> bool:
         rows, cap_len = self.capacity
@@ -255,7 +270,7 @@ class DecodeMirror:
         if self.nbytes(new_rows, new_len) > self.budget_bytes:
             self.release()
             return False
-        if length > cap_len:    # growing contexts: by half again, so that resizes (a full copy) stay rare
+        if length > cap_len:  # growing contexts: by half again, so that resizes (a full copy) stay rare
             longer = -(-(cap_len * 3 // 2) // _LEN_STEP) * _LEN_STEP
             if longer > new_len and self.nbytes(new_rows, longer) <= self.budget_bytes:
                 new_len = longer
@@ -300,7 +315,7 @@ class DecodeMirror:
         if buf is None:
             return [torch.zeros(shape, dtype=self.dtype, device=self.pool.k[0].device) for _ in range(count)]
         buf.zero_()
-        return [buf[j * each:(j + 1) * each].view(shape) for j in range(count)]
+        return [buf[j * each : (j + 1) * each].view(shape) for j in range(count)]
 
     def release(self) -> None:
         """Free the mirror's memory; every row refills on next use."""

@@ -4,6 +4,7 @@ A slot holds one token's K and V for every layer. Slot 0 (`PAD_SLOT`) is never h
 padded attention reads point at it, so stale or padding indices always address valid memory, and
 the padded rows of a CUDA-graph decode step write their (finite, unused) K/V there.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,7 +24,7 @@ class TokenSlotAllocator:
     def clear(self) -> None:
         # Slot 0 is the padding slot; usable slots are 1..num_slots.
         self._free = torch.arange(PAD_SLOT + 1, self.num_slots + 1, dtype=torch.int64)
-        self._head = 0   # free slots are _free[_head:]: an allocation is one slice (a decode step's is one slot)
+        self._head = 0  # free slots are _free[_head:]: an allocation is one slice (a decode step's is one slot)
 
     def available(self) -> int:
         return self._free.numel() - self._head
@@ -32,13 +33,13 @@ class TokenSlotAllocator:
         """Return `n` free slots (int64), or None when fewer than `n` are free."""
         if n > self.available():
             return None
-        out = self._free[self._head:self._head + n]
+        out = self._free[self._head : self._head + n]
         self._head += n
         return out
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
-            self._free = torch.cat((self._free[self._head:], slots.to(torch.int64)))
+            self._free = torch.cat((self._free[self._head :], slots.to(torch.int64)))
             self._head = 0
 
 
@@ -65,8 +66,15 @@ def index_select_bits(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor 
 class KVPool:
     """Preallocated K and V buffers, one pair per layer: `[num_slots + 1, kv_heads, head_dim]`."""
 
-    def __init__(self, num_slots: int, num_layers: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
         shape = (num_slots + 1, kv_heads, head_dim)
         self.num_slots = num_slots
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

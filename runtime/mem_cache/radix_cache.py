@@ -7,6 +7,7 @@ reuse the slots instead of recomputing them.
 
 `NaiveCache` has the same interface and caches nothing (the "radix cache disabled" mode).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -23,8 +24,7 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 class TreeNode:
     __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access")
 
-    def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None,
-                 last_access: int = 0):
+    def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None, last_access: int = 0):
         self.key = key
         self.value = value
         self.parent = parent
@@ -50,7 +50,7 @@ def _common_len(edge: list[int], ids: list[int], start: int) -> int:
     """Length of the common prefix of `edge` and `ids[start:]`."""
     n = min(len(edge), len(ids) - start)
     # Fast path: a whole-edge match is one C-level list comparison.
-    if n == len(edge) and ids[start:start + n] == edge:
+    if n == len(edge) and ids[start : start + n] == edge:
         return n
     i = 0
     while i < n and edge[i] == ids[start + i]:

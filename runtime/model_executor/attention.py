@@ -11,6 +11,7 @@ each request's context read through the request-to-token table.
 
 `make_attention_backend(pool, device)` picks one.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,9 @@ class AttentionBackend:
     def __init__(self, pool: KVPool):
         self.pool = pool
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatch, scale: float) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch, scale: float
+    ) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -58,7 +60,7 @@ class TorchNativeAttention(AttentionBackend):
         self._begun: ForwardBatch | None = None
 
     def forward(self, q, k, v, layer_id, batch, scale):
-        if batch is self._begun:   # the model began this step already
+        if batch is self._begun:  # the model began this step already
             self._begun = None
         elif layer_id == 0 or batch is not self._batch:
             self._begin(batch)
@@ -76,7 +78,7 @@ class TorchNativeAttention(AttentionBackend):
         self._masks = [None if g.attn_mask is None else _additive(g.attn_mask, self.sdpa_dtype) for g in batch.groups]
 
     def _attend_group(self, i: int, g: AttnGroup, q, k, v, layer_id: int, scale: float) -> torch.Tensor:
-        return self._attend_gathered(q[g.start:g.end], layer_id, g, self._masks[i], scale)
+        return self._attend_gathered(q[g.start : g.end], layer_id, g, self._masks[i], scale)
 
     def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
         """A grow-only scratch tensor: large per-layer allocations would page-fault every step."""
@@ -89,8 +91,9 @@ class TorchNativeAttention(AttentionBackend):
             self._scratch[name] = buf
         return buf[:numel].view(shape)
 
-    def _attend_gathered(self, q: torch.Tensor, layer_id: int, g: AttnGroup, mask: torch.Tensor | None,
-                         scale: float) -> torch.Tensor:
+    def _attend_gathered(
+        self, q: torch.Tensor, layer_id: int, g: AttnGroup, mask: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
         num_heads, head_dim = q.shape[1], q.shape[2]
         pool_k, pool_v = self.pool.k[layer_id], self.pool.v[layer_id]
         kv_heads = pool_k.shape[1]
@@ -108,8 +111,8 @@ class TorchNativeAttention(AttentionBackend):
             qp[g.q_scatter] = q
             qp = qp.view(g.bsz, g.max_q, num_heads, head_dim)
         out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
-            enable_gqa=num_heads != kv_heads)
+            qp.transpose(1, 2), keys, values, attn_mask=mask, scale=scale, enable_gqa=num_heads != kv_heads
+        )
         out = out.transpose(1, 2).reshape(g.bsz * g.max_q, num_heads * head_dim)
         out = out if g.q_scatter is None else out[g.q_scatter]
         return out.to(dtype)
@@ -125,7 +128,7 @@ class MirroredAttention(TorchNativeAttention):
             mirror_budget_bytes = default_mirror_budget(pool)
         self.mirror = DecodeMirror(pool, mirror_budget_bytes, mask_dtype=self.sdpa_dtype)
         self._plan: MirrorPlan | None = None
-        self._kernel = False   # this step's one-token decode rows go through cpu_kernels.decode_attention
+        self._kernel = False  # this step's one-token decode rows go through cpu_kernels.decode_attention
         self._fused = False
 
     def _begin(self, batch: ForwardBatch) -> None:
@@ -137,8 +140,14 @@ class MirroredAttention(TorchNativeAttention):
         plan = self._plan = self.mirror.plan(last, with_mask=not kernel) if last is not None and last.decode else None
         # The steady decode step (only decode rows, each appending one token to the mirror row it
         # holds): K/V writes and attention in two fused ops per layer.
-        self._fused = (plan is not None and len(batch.groups) == 1 and plan.max_q == 1
-                       and plan.keep_tok is None and plan.fill_idx is None and kernel)
+        self._fused = (
+            plan is not None
+            and len(batch.groups) == 1
+            and plan.max_q == 1
+            and plan.keep_tok is None
+            and plan.fill_idx is None
+            and kernel
+        )
 
     @property
     def _rows(self) -> torch.Tensor | None:
@@ -154,7 +163,7 @@ class MirroredAttention(TorchNativeAttention):
         None)); else None, and the layers then call `forward` as usual (without beginning the step
         again)."""
         plan = None
-        if batch.repeat and self._fused:   # the step before's fused one, each row a token further
+        if batch.repeat and self._fused:  # the step before's fused one, each row a token further
             plan = self.mirror.plan_repeat(batch.groups[0], self._plan, batch.out_cache_loc)
         if plan is not None:
             self._batch, self._plan = batch, plan
@@ -164,15 +173,19 @@ class MirroredAttention(TorchNativeAttention):
             self._begun = batch
             return None
         mirror = self.mirror
-        return ((mirror, mirror.generation), (self.pool.k, self.pool.v, mirror.k, mirror.v),
-                (batch.out_cache_loc, self._plan.keep_at, mirror.lens, self._rows))
+        return (
+            (mirror, mirror.generation),
+            (self.pool.k, self.pool.v, mirror.k, mirror.v),
+            (batch.out_cache_loc, self._plan.keep_at, mirror.lens, self._rows),
+        )
 
     def _forward(self, q, k, v, layer_id, batch, scale):
         if not (self._fused and cpu_kernels.enabled(k)):
             return super()._forward(q, k, v, layer_id, batch, scale)
         plan, mk, mv = self._plan, self.mirror.k[layer_id], self.mirror.v[layer_id]
-        cpu_kernels.kv_write_(self.pool.k[layer_id], self.pool.v[layer_id], batch.out_cache_loc, k, v,
-                              mk, mv, plan.keep_at)
+        cpu_kernels.kv_write_(
+            self.pool.k[layer_id], self.pool.v[layer_id], batch.out_cache_loc, k, v, mk, mv, plan.keep_at
+        )
         # the mirror as it lies: its rows past plan.n and keys past each row's length are not read
         return cpu_kernels.decode_attention(q, mk, mv, self.mirror.lens, scale, self._rows).view(plan.n, -1)
 
@@ -180,14 +193,14 @@ class MirroredAttention(TorchNativeAttention):
         if self._plan is None or i != len(self._batch.groups) - 1:
             return super()._attend_group(i, g, q, k, v, layer_id, scale)
         plan = self._plan
-        keys, values = self.mirror.update(layer_id, plan, k[g.start:g.end], v[g.start:g.end])
-        q = q[g.start:g.end]
+        keys, values = self.mirror.update(layer_id, plan, k[g.start : g.end], v[g.start : g.end])
+        q = q[g.start : g.end]
         dtype, (_, num_heads, head_dim), n = q.dtype, q.shape, plan.n
         kv_heads = keys.shape[1]
-        if not (plan.max_q == 1 and self._kernel):   # SDPA: one dtype for all of them
+        if not (plan.max_q == 1 and self._kernel):  # SDPA: one dtype for all of them
             q, keys, values = q.to(self.sdpa_dtype), keys.to(self.sdpa_dtype), values.to(self.sdpa_dtype)
         if plan.max_q == 1:
-            if self._kernel:   # one pass over each row's K/V, no mask (2x SDPA's speed); any dtypes
+            if self._kernel:  # one pass over each row's K/V, no mask (2x SDPA's speed); any dtypes
                 out = cpu_kernels.decode_attention(q, keys, values, self.mirror.lens, scale, self._rows)
                 return out.reshape(n, num_heads * head_dim)
             # one query per head: fold the heads sharing a KV head into the query length (GQA)
@@ -197,12 +210,13 @@ class MirroredAttention(TorchNativeAttention):
             out = F.scaled_dot_product_attention(q4, keys, values, attn_mask=plan.mask, scale=scale)
             out = out.reshape(n, num_heads * head_dim)
             out = out if plan.order is None else out[plan.target]
-        else:                   # drafts: padded queries, mirror order
+        else:  # drafts: padded queries, mirror order
             qp = self._buffer("q", (n * plan.max_q, num_heads, head_dim), q.dtype, q.device).zero_()
             qp[plan.q_slots] = q
             qp = qp.view(n, plan.max_q, num_heads, head_dim).transpose(1, 2)
-            out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=plan.mask, scale=scale,
-                                                 enable_gqa=num_heads != kv_heads)
+            out = F.scaled_dot_product_attention(
+                qp, keys, values, attn_mask=plan.mask, scale=scale, enable_gqa=num_heads != kv_heads
+            )
             out = out.transpose(1, 2).reshape(n * plan.max_q, num_heads * head_dim)[plan.q_slots]
         return out.to(dtype)
 
@@ -215,6 +229,7 @@ class FlashAttnVarlen(TorchNativeAttention):
     def __init__(self, pool: KVPool):
         super().__init__(pool)
         from flash_attn import flash_attn_varlen_func
+
         self._varlen = flash_attn_varlen_func
         self._cu: list[tuple] = []
 
@@ -237,8 +252,17 @@ class FlashAttnVarlen(TorchNativeAttention):
         cu_q, cu_k, idx, max_q, max_kv = self._cu[i]
         keys = self.pool.k[layer_id].index_select(0, idx)
         values = self.pool.v[layer_id].index_select(0, idx)
-        out = self._varlen(q[g.start:g.end].to(self.kv_dtype), keys, values, cu_q, cu_k, max_q, max_kv,
-                           softmax_scale=scale, causal=True)
+        out = self._varlen(
+            q[g.start : g.end].to(self.kv_dtype),
+            keys,
+            values,
+            cu_q,
+            cu_k,
+            max_q,
+            max_kv,
+            softmax_scale=scale,
+            causal=True,
+        )
         return out.reshape(g.end - g.start, -1).to(q.dtype)
 
 

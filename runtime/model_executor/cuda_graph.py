@@ -26,6 +26,7 @@ Graphs are on by default on CUDA (`--disable-cuda-graph`, `--cuda-graph-max-bs N
 also runs without capture ("eager replay": the model is called on the static, padded tensors),
 which is how the padding and bucketing are tested on the CPU (`ServerArgs.cuda_graph_eager`).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BS = 64
 MIN_KV_BUCKET = 256
-_KV_ALIGN = 64        # the last KV bucket (the context length) is rounded up to this
+_KV_ALIGN = 64  # the last KV bucket (the context length) is rounded up to this
 
 
 def bs_buckets(max_bs: int) -> list[int]:
@@ -97,10 +98,11 @@ class StaticDecodeAttention(AttentionBackend):
 class _Entry:
     """One (batch size, KV length) bucket: its static batch (views of the shared buffers) and,
     once captured, its graph and output."""
+
     batch: ForwardBatch
-    masked: torch.Tensor                   # [bs, kv_len] bool scratch for the mask
+    masked: torch.Tensor  # [bs, kv_len] bool scratch for the mask
     graph: torch.cuda.CUDAGraph | None = None
-    logits: torch.Tensor | None = None     # the graph's output `[bs, vocab]`
+    logits: torch.Tensor | None = None  # the graph's output `[bs, vocab]`
 
 
 class DecodeGraphRunner:
@@ -108,8 +110,7 @@ class DecodeGraphRunner:
     or called eagerly on the same tensors (the CPU test mode). `forward(batch)` returns the logits,
     or None when the step must run the ordinary way."""
 
-    def __init__(self, runner: ModelRunner, max_bs: int, max_kv: int, capture: bool,
-                 min_kv: int = MIN_KV_BUCKET):
+    def __init__(self, runner: ModelRunner, max_bs: int, max_kv: int, capture: bool, min_kv: int = MIN_KV_BUCKET):
         self.model = runner.model
         self.pool: KVPool = runner.pool
         self.eager_backend = runner.backend
@@ -148,8 +149,10 @@ class DecodeGraphRunner:
             return None
         if g.bsz > self.max_bs or g.max_kv > self.max_kv:
             return None
-        return (self.bs_buckets[bisect.bisect_left(self.bs_buckets, g.bsz)],
-                self.kv_buckets[bisect.bisect_left(self.kv_buckets, g.max_kv)])
+        return (
+            self.bs_buckets[bisect.bisect_left(self.bs_buckets, g.bsz)],
+            self.kv_buckets[bisect.bisect_left(self.kv_buckets, g.max_kv)],
+        )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
@@ -168,21 +171,36 @@ class DecodeGraphRunner:
             logits = self._step(entry)[:m]
         else:
             if entry.graph is None and not self._capture(entry, key):
-                return None   # capture failed: eager from now on
+                return None  # capture failed: eager from now on
             entry.graph.replay()
-            logits = entry.logits[:m].clone()   # the graphs share memory: the next replay overwrites it
+            logits = entry.logits[:m].clone()  # the graphs share memory: the next replay overwrites it
         self.num_replays += 1
         self.num_padded_rows += key[0] - batch.groups[0].bsz
         return logits
 
     def _new_entry(self, bs: int, kv_len: int) -> _Entry:
         n = bs * kv_len
-        group = AttnGroup(start=0, end=bs, bsz=bs, max_q=1, max_kv=kv_len, kv_indices=self.kv_indices[:n],
-                          attn_mask=self.mask[:n].view(bs, 1, 1, kv_len), q_scatter=None, rows=[],
-                          prefix_lens=self.seq_lens[:bs], seq_lens=self.seq_lens[:bs], decode=True)
-        batch = ForwardBatch(input_ids=self.input_ids[:bs], positions=self.positions[:bs],
-                             out_cache_loc=self.out_cache_loc[:bs], groups=[group],
-                             logits_index=self.logits_index[:bs])
+        group = AttnGroup(
+            start=0,
+            end=bs,
+            bsz=bs,
+            max_q=1,
+            max_kv=kv_len,
+            kv_indices=self.kv_indices[:n],
+            attn_mask=self.mask[:n].view(bs, 1, 1, kv_len),
+            q_scatter=None,
+            rows=[],
+            prefix_lens=self.seq_lens[:bs],
+            seq_lens=self.seq_lens[:bs],
+            decode=True,
+        )
+        batch = ForwardBatch(
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            out_cache_loc=self.out_cache_loc[:bs],
+            groups=[group],
+            logits_index=self.logits_index[:bs],
+        )
         entry = _Entry(batch, self.masked[:n].view(bs, kv_len))
         self.entries[(bs, kv_len)] = entry
         return entry
@@ -205,14 +223,14 @@ class DecodeGraphRunner:
         sg.seq_lens[:n].copy_(g.seq_lens)
         sg.seq_lens[n:].fill_(1)
         m = batch.logits_index.numel()
-        s.logits_index.copy_(self.rows[:sg.bsz])
+        s.logits_index.copy_(self.rows[: sg.bsz])
         s.logits_index[:m].copy_(batch.logits_index)
 
     def _step(self, entry: _Entry) -> torch.Tensor:
         """What a graph holds: the mask from the context lengths, then the model."""
         s = entry.batch
         g = s.groups[0]
-        torch.ge(self.kv_pos[None, :g.max_kv], g.seq_lens[:, None], out=entry.masked)
+        torch.ge(self.kv_pos[None, : g.max_kv], g.seq_lens[:, None], out=entry.masked)
         g.attn_mask.view(g.bsz, g.max_kv).zero_().masked_fill_(entry.masked, float("-inf"))
         return self.model(s, self.backend)
 
@@ -221,12 +239,12 @@ class DecodeGraphRunner:
         graphs turned off, when capture fails (e.g. an op that cannot be captured)."""
         t0 = time.perf_counter()
         try:
-            with torch.cuda.device(self.device):   # capture streams belong to the current device
+            with torch.cuda.device(self.device):  # capture streams belong to the current device
                 if self.graph_pool is None:
                     self.graph_pool = torch.cuda.graph_pool_handle()
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):   # lazy inits (cuBLAS handles, workspaces) happen here
+                with torch.cuda.stream(stream):  # lazy inits (cuBLAS handles, workspaces) happen here
                     self._step(entry)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
@@ -234,14 +252,20 @@ class DecodeGraphRunner:
                 with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
                     entry.logits = self._step(entry)
             entry.graph = graph
-        except Exception as e:   # noqa: BLE001 - any failure: serve eagerly rather than not at all
-            logger.warning("CUDA graph capture failed for decode bucket bs=%d kv=%d (%s: %s); "
-                           "decoding eagerly from now on", key[0], key[1], type(e).__name__, e)
+        except Exception as e:  # noqa: BLE001 - any failure: serve eagerly rather than not at all
+            logger.warning(
+                "CUDA graph capture failed for decode bucket bs=%d kv=%d (%s: %s); decoding eagerly from now on",
+                key[0],
+                key[1],
+                type(e).__name__,
+                e,
+            )
             self.failed = True
             self.entries.clear()
             return False
-        logger.debug("captured decode CUDA graph bs=%d kv=%d in %.0f ms", key[0], key[1],
-                     (time.perf_counter() - t0) * 1e3)
+        logger.debug(
+            "captured decode CUDA graph bs=%d kv=%d in %.0f ms", key[0], key[1], (time.perf_counter() - t0) * 1e3
+        )
         return True
 
 

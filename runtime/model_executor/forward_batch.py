@@ -8,6 +8,7 @@ that verify drafts (a handful of tokens on top of their context) join the decode
 group is small (speculation and jump-forward run at small batches): the padding is cheap there
 and the attention backend can keep treating them as decodes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,30 +24,31 @@ DRAFT_GROUP_MAX = 8
 @dataclass
 class AttnGroup:
     """Requests attended together in one padded SDPA call."""
-    start: int                      # token range [start, end) of the flat batch
+
+    start: int  # token range [start, end) of the flat batch
     end: int
     bsz: int
     max_q: int
     max_kv: int
-    kv_indices: torch.Tensor        # [bsz * max_kv] slot ids (padding points at valid slots, masked out)
+    kv_indices: torch.Tensor  # [bsz * max_kv] slot ids (padding points at valid slots, masked out)
     attn_mask: torch.Tensor | None  # [bsz, 1, max_q, max_kv] bool; None when nothing needs masking
     q_scatter: torch.Tensor | None  # [end - start] positions in the padded [bsz * max_q] layout; None if dense
-    rows: list[int]                 # request-to-token rows, one per request (identify requests across steps)
-    prefix_lens: torch.Tensor       # [bsz] int64 context already in the pool
-    seq_lens: torch.Tensor          # [bsz] int64 context length after this step (prefix + extend)
-    decode: bool = False            # the trailing group of decodes (and small draft extends)
+    rows: list[int]  # request-to-token rows, one per request (identify requests across steps)
+    prefix_lens: torch.Tensor  # [bsz] int64 context already in the pool
+    seq_lens: torch.Tensor  # [bsz] int64 context length after this step (prefix + extend)
+    decode: bool = False  # the trailing group of decodes (and small draft extends)
 
 
 @dataclass
 class ForwardBatch:
-    input_ids: torch.Tensor         # [T] int64
-    positions: torch.Tensor         # [T] int64
-    out_cache_loc: torch.Tensor     # [T] int64: KV slots written this step
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64: KV slots written this step
     groups: list[AttnGroup]
-    logits_index: torch.Tensor      # [N] flat positions whose logits the caller wants
-    logits_all: bool = False        # logits_index is every position in order (a pure decode step)
-    repeat: bool = False            # made by `advance`: the step before's rows, each one token further
-    keep_hidden: bool = False       # the model keeps the normed hidden states of the logits rows (embeddings)
+    logits_index: torch.Tensor  # [N] flat positions whose logits the caller wants
+    logits_all: bool = False  # logits_index is every position in order (a pure decode step)
+    repeat: bool = False  # made by `advance`: the step before's rows, each one token further
+    keep_hidden: bool = False  # the model keeps the normed hidden states of the logits rows (embeddings)
 
     @property
     def advanceable(self) -> bool:
@@ -64,17 +66,36 @@ class ForwardBatch:
             kv_indices, attn_mask = req_to_token[g.rows[0], :max_kv], None
         else:
             kv_indices = req_to_token[torch.tensor(g.rows, device=req_to_token.device), :max_kv].view(-1)
-            attn_mask = None if g.attn_mask is None else \
-                (cached_arange(max_kv, seq_lens.device)[None, :] < seq_lens[:, None])[:, None, None, :]
-        group = AttnGroup(0, g.end, g.bsz, 1, max_kv, kv_indices, attn_mask, None, g.rows, positions, seq_lens,
-                          decode=True)
-        return ForwardBatch(torch.tensor(input_ids, dtype=torch.int64, device=positions.device), positions,
-                            _to(out_cache_loc, positions.device), [group], self.logits_index, True, repeat=True)
+            attn_mask = (
+                None
+                if g.attn_mask is None
+                else (cached_arange(max_kv, seq_lens.device)[None, :] < seq_lens[:, None])[:, None, None, :]
+            )
+        group = AttnGroup(
+            0, g.end, g.bsz, 1, max_kv, kv_indices, attn_mask, None, g.rows, positions, seq_lens, decode=True
+        )
+        return ForwardBatch(
+            torch.tensor(input_ids, dtype=torch.int64, device=positions.device),
+            positions,
+            _to(out_cache_loc, positions.device),
+            [group],
+            self.logits_index,
+            True,
+            repeat=True,
+        )
 
     @classmethod
-    def build(cls, input_ids: list[int], req_rows: list[int], prefix_lens: list[int],
-              extend_lens: list[int], out_cache_loc: torch.Tensor, req_to_token: torch.Tensor,
-              logits_index: list[int], device: torch.device | str = "cpu") -> ForwardBatch:
+    def build(
+        cls,
+        input_ids: list[int],
+        req_rows: list[int],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        out_cache_loc: torch.Tensor,
+        req_to_token: torch.Tensor,
+        logits_index: list[int],
+        device: torch.device | str = "cpu",
+    ) -> ForwardBatch:
         """Lay out one step. Token i of request b sits at position prefix_lens[b] + i; its K/V go to
         out_cache_loc and attention reads the request's context through req_to_token[req_rows[b]].
         Decode requests (extend 1) must come after all prefill requests."""
@@ -101,8 +122,11 @@ class ForwardBatch:
             positions=_to(torch.cat(positions) if len(positions) > 1 else positions[0], device),
             out_cache_loc=_to(out_cache_loc, device),
             groups=groups,
-            logits_index=(cached_arange(len(logits_index), device) if logits_all
-                          else torch.tensor(logits_index, dtype=torch.int64, device=device)),
+            logits_index=(
+                cached_arange(len(logits_index), device)
+                if logits_all
+                else torch.tensor(logits_index, dtype=torch.int64, device=device)
+            ),
             logits_all=logits_all,
         )
 
@@ -132,15 +156,23 @@ def _decode_start(prefix_lens: list[int], extend_lens: list[int]) -> int:
     while split > 0 and extend_lens[split - 1] == 1:
         split -= 1
     wide = n
-    while wide > 0 and n - wide < DRAFT_GROUP_MAX and prefix_lens[wide - 1] > 0 \
-            and extend_lens[wide - 1] <= DRAFT_MAX_TOKENS:
+    while (
+        wide > 0
+        and n - wide < DRAFT_GROUP_MAX
+        and prefix_lens[wide - 1] > 0
+        and extend_lens[wide - 1] <= DRAFT_MAX_TOKENS
+    ):
         wide -= 1
-    return wide if wide < split and (wide == 0 or extend_lens[wide - 1] > DRAFT_MAX_TOKENS
-                                      or prefix_lens[wide - 1] == 0) else split
+    return (
+        wide
+        if wide < split and (wide == 0 or extend_lens[wide - 1] > DRAFT_MAX_TOKENS or prefix_lens[wide - 1] == 0)
+        else split
+    )
 
 
-def _build_group(start: int, rows: list[int], prefix_lens: list[int], extend_lens: list[int],
-                 req_to_token: torch.Tensor) -> tuple[AttnGroup, torch.Tensor]:
+def _build_group(
+    start: int, rows: list[int], prefix_lens: list[int], extend_lens: list[int], req_to_token: torch.Tensor
+) -> tuple[AttnGroup, torch.Tensor]:
     # sizes from the Python lists: at batch 1 each small tensor op here is a noticeable part of a step
     bsz = len(rows)
     seq_list = [p + e for p, e in zip(prefix_lens, extend_lens)]
@@ -149,14 +181,16 @@ def _build_group(start: int, rows: list[int], prefix_lens: list[int], extend_len
     seq = torch.tensor(seq_list, dtype=torch.int64)
     # one row: a view of the table (nothing writes the table while the step runs), 1-D as it is
     kv_indices = req_to_token[rows[0], :max_kv] if bsz == 1 else req_to_token[torch.tensor(rows), :max_kv].view(-1)
-    if max_q == 1:   # (a decode group: its tensors only, each one a cost at batch 1)
+    if max_q == 1:  # (a decode group: its tensors only, each one a cost at batch 1)
         positions, q_scatter = pre, None
-        attn_mask = None if min(seq_list) == max_kv else (torch.arange(max_kv)[None, :] < seq[:, None])[:, None, None, :]
+        attn_mask = (
+            None if min(seq_list) == max_kv else (torch.arange(max_kv)[None, :] < seq[:, None])[:, None, None, :]
+        )
     else:
         ext = torch.tensor(extend_lens, dtype=torch.int64)
         kv_pos = torch.arange(max_kv)
         starts = torch.repeat_interleave(torch.cumsum(ext, 0) - ext, ext)
-        offs = torch.arange(num_tokens) - starts                     # index within its request
+        offs = torch.arange(num_tokens) - starts  # index within its request
         req_of_tok = torch.repeat_interleave(torch.arange(bsz), ext)
         positions = pre[req_of_tok] + offs
         q_scatter = None if num_tokens == bsz * max_q else req_of_tok * max_q + offs
@@ -164,6 +198,7 @@ def _build_group(start: int, rows: list[int], prefix_lens: list[int], extend_len
         # clamped to the last real one so that no row is fully masked (which would give NaN).
         q_eff = torch.minimum(torch.arange(max_q)[None, :], (ext - 1)[:, None])
         attn_mask = (kv_pos[None, None, :] <= (pre[:, None] + q_eff)[:, :, None])[:, None]
-    group = AttnGroup(start, start + num_tokens, bsz, max_q, max_kv, kv_indices, attn_mask, q_scatter,
-                      list(rows), pre, seq)
+    group = AttnGroup(
+        start, start + num_tokens, bsz, max_q, max_kv, kv_indices, attn_mask, q_scatter, list(rows), pre, seq
+    )
     return group, positions

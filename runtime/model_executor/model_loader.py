@@ -14,6 +14,7 @@ format. Accepted forms of ``model=``:
 Heavy imports (torch, transformers, gguf) are done lazily inside the functions that
 need them, so resolving an already-converted model costs a ``stat`` or two.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -108,9 +109,7 @@ def resolve_model(model: str, cache_dir: str | None = None, revision: str | None
     path = os.path.abspath(os.path.expanduser(model))
     if os.path.isfile(path):
         if not path.lower().endswith(".gguf"):
-            raise ModelNotFoundError(
-                f"model {model!r}: {path} is a file but not a .gguf; {_ACCEPTED_FORMS}"
-            )
+            raise ModelNotFoundError(f"model {model!r}: {path} is a file but not a .gguf; {_ACCEPTED_FORMS}")
         return _convert_gguf_cached(path, cache)
     if os.path.isdir(path):
         return _resolve_local_dir(model, path, cache)
@@ -205,9 +204,7 @@ def _bundled_smollm2_gguf() -> str:
 
 
 def _safetensors_files(folder: str) -> list[str]:
-    return sorted(
-        os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".safetensors")
-    )
+    return sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".safetensors"))
 
 
 def _resolve_local_dir(model: str, path: str, cache: str) -> str:
@@ -363,7 +360,8 @@ def _convert_gguf(gguf_path: str, out_dir: str) -> None:
     t_start = time.perf_counter()
     logger.warning(
         "plait: converting %s to a Hugging Face folder (one-time, takes ~15-30 s) -> %s",
-        gguf_path, os.path.dirname(out_dir),
+        gguf_path,
+        os.path.dirname(out_dir),
     )
     gguf_dir, gguf_name = os.path.split(gguf_path)
 

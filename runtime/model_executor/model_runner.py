@@ -1,4 +1,5 @@
 """ModelRunner: loads the model, owns the KV pool and the attention backend, runs one forward."""
+
 from __future__ import annotations
 
 import logging
@@ -74,7 +75,7 @@ class ModelRunner:
             raise ValueError(f"device {args.device!r} requested but CUDA is not available")
         if args.num_threads or args.tp_size > 1:
             torch.set_num_threads(threads_per_rank(args))
-        init_tensor_parallel(args, rank)   # before the model: its layers take their shard sizes from it
+        init_tensor_parallel(args, rank)  # before the model: its layers take their shard sizes from it
         self.channel = StepChannel() if args.tp_size > 1 else None
         self.model_path = resolve_model(args.model, revision=args.revision)
         self.config = load_config(self.model_path)
@@ -82,19 +83,25 @@ class ModelRunner:
         model_cls = get_model_class(self.config)
         self.dtype = resolve_dtype(args.dtype, self.config, self.device)
         self.context_len = args.context_length or self.config.max_position_embeddings
-        if self.device.type == "cpu":   # the fused small-op kernels (built once per machine)
+        if self.device.type == "cpu":  # the fused small-op kernels (built once per machine)
             cpu_kernels.load()
         self.model = model_cls(self.config, max_positions=self.context_len)
         # A progress bar on a terminal (plait serve); silent in logs and tests.
-        weights = tqdm(load_weights(self.model_path), desc="loading weights", unit=" tensors",
-                       disable=not sys.stderr.isatty(), leave=False)
+        weights = tqdm(
+            load_weights(self.model_path),
+            desc="loading weights",
+            unit=" tensors",
+            disable=not sys.stderr.isatty(),
+            leave=False,
+        )
         self.model.load_weights(weights)
         self.model.to(device=self.device, dtype=self.dtype).eval()
-        if args.quantization:   # quantized layers replace the float ones (and prepacking)
+        if args.quantization:  # quantized layers replace the float ones (and prepacking)
             from ..layers.quantization import quantize_model
+
             quantize_model(self.model, args.quantization)
         elif self.device.type == "cpu" and not (args.disable_weight_prepack or args.enable_torch_compile):
-            self.model.prepack_for_cpu()     # (inductor cannot lower prepacked weights)
+            self.model.prepack_for_cpu()  # (inductor cannot lower prepacked weights)
         # RoPE tables stay float32 for accuracy; they are cast per step.
         self.model.rope_cos = self.model.rope_cos.float()
         self.model.rope_sin = self.model.rope_sin.float()
@@ -113,29 +120,37 @@ class ModelRunner:
         ranks_sharing = len(ranks_on_this_node(args)) if self.device.type == "cpu" else 1
         per_slot = KVPool.bytes_per_slot(self.num_layers, attn.kv_heads, attn.head_dim, self.kv_dtype)
         num_slots = args.max_total_tokens or max(
-            2, min(int(_available_memory(self.device) * args.kv_memory_fraction / ranks_sharing) // per_slot, 1 << 20))
-        num_slots = all_reduce_min(num_slots)   # every rank's pool holds the same slots
+            2, min(int(_available_memory(self.device) * args.kv_memory_fraction / ranks_sharing) // per_slot, 1 << 20)
+        )
+        num_slots = all_reduce_min(num_slots)  # every rank's pool holds the same slots
         available = _available_memory(self.device)
-        if num_slots * per_slot > available:   # fail now rather than be OOM-killed while serving
-            raise ValueError(f"a KV pool of {num_slots} tokens needs {num_slots * per_slot / 2**20:.0f} MiB, more "
-                             f"than the {available / 2**20:.0f} MiB available; lower --max-total-tokens")
+        if num_slots * per_slot > available:  # fail now rather than be OOM-killed while serving
+            raise ValueError(
+                f"a KV pool of {num_slots} tokens needs {num_slots * per_slot / 2**20:.0f} MiB, more "
+                f"than the {available / 2**20:.0f} MiB available; lower --max-total-tokens"
+            )
         self.pool = KVPool(num_slots, self.num_layers, attn.kv_heads, attn.head_dim, self.kv_dtype, self.device)
         self.backend = make_attention_backend(self.pool, self.device)
-        if args.enable_torch_compile:   # the dense parts; attention keeps Python state and stays eager
+        if args.enable_torch_compile:  # the dense parts; attention keeps Python state and stays eager
             self.backend.forward = torch.compiler.disable(self.backend.forward)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * self.num_layers)
             self.model.forward = torch.compile(self.model.forward, dynamic=True)
         # Pure-decode steps replayed from CUDA graphs (on by default on CUDA; see cuda_graph.py).
         self.graphs = make_decode_graph_runner(self)
         self.vocab_size = self.config.vocab_size
-        logger.info("model %s loaded: %s, %d KV slots (%.1f MiB)", args.model, self.dtype, num_slots,
-                    num_slots * per_slot / 2**20)
+        logger.info(
+            "model %s loaded: %s, %d KV slots (%.1f MiB)",
+            args.model,
+            self.dtype,
+            num_slots,
+            num_slots * per_slot / 2**20,
+        )
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one step; float32 logits `[len(batch.logits_index), vocab]`."""
         if self.channel is not None:
             self.channel.send(batch)
-        if self.graphs is not None and not batch.keep_hidden:   # a graph keeps no hidden states
+        if self.graphs is not None and not batch.keep_hidden:  # a graph keeps no hidden states
             logits = self.graphs.forward(batch)
             if logits is not None:
                 return logits
@@ -164,5 +179,5 @@ class ModelRunner:
             try:
                 self.channel.stop()
             except RankFailure:
-                pass   # a rank is already gone: nothing to stop
+                pass  # a rank is already gone: nothing to stop
         destroy_tensor_parallel()

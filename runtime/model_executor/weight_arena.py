@@ -11,6 +11,7 @@ into one buffer whose pages are advised MADV_HUGEPAGE before first touch, and po
 at views of it; tensors held twice (a tied LM head) stay shared. Each old tensor is freed as it is
 moved, so memory peaks at about one model plus one tensor, not two models.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -22,15 +23,23 @@ import torch
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
-MIN_BYTES = 64 << 10     # smaller tensors (norm weights, biases) are not worth a move
-_ALIGN = 64              # each tensor's start: a cache line (oneDNN's packed weights need 64)
+MIN_BYTES = 64 << 10  # smaller tensors (norm weights, biases) are not worth a move
+_ALIGN = 64  # each tensor's start: a cache line (oneDNN's packed weights need 64)
 _MADV_HUGEPAGE = 14
 
 
 def _movable(t: object) -> bool:
-    return (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided
-            and not t.is_quantized and t._base is None and t.is_contiguous() and t.storage_offset() == 0
-            and t.untyped_storage().nbytes() == t.numel() * t.element_size() and t.numel() * t.element_size() >= MIN_BYTES)
+    return (
+        isinstance(t, torch.Tensor)
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+        and not t.is_quantized
+        and t._base is None
+        and t.is_contiguous()
+        and t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        and t.numel() * t.element_size() >= MIN_BYTES
+    )
 
 
 def _slots(model: torch.nn.Module):
@@ -63,7 +72,7 @@ def _trim_heap() -> None:
     (tensors below its mmap threshold) mapped (float32 SmolLM2: ~200 MB of resident memory)."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):   # not glibc
+    except (OSError, AttributeError):  # not glibc
         pass
 
 
@@ -84,7 +93,7 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
         return None
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
     skip = -raw.data_ptr() % HUGE_PAGE
-    return raw[skip:skip + nbytes] if _advise_huge(raw.data_ptr() + skip, nbytes) else None
+    return raw[skip : skip + nbytes] if _advise_huge(raw.data_ptr() + skip, nbytes) else None
 
 
 def consolidate(model: torch.nn.Module) -> torch.Tensor | None:
@@ -101,11 +110,11 @@ def consolidate(model: torch.nn.Module) -> torch.Tensor | None:
     moved: dict[int, torch.Tensor] = {}
     for i in range(len(slots)):
         module, kind, name, t = slots[i]
-        slots[i] = None            # the old tensor goes once its last holder points at the copy
+        slots[i] = None  # the old tensor goes once its last holder points at the copy
         ptr = t.data_ptr()
         if ptr not in moved:
             nbytes = t.numel() * t.element_size()
-            view = arena[layout[ptr]:layout[ptr] + nbytes].view(t.dtype).view(t.shape)
+            view = arena[layout[ptr] : layout[ptr] + nbytes].view(t.dtype).view(t.shape)
             view.copy_(t)
             moved[ptr] = view
         view = moved[ptr]
@@ -117,7 +126,7 @@ def consolidate(model: torch.nn.Module) -> torch.Tensor | None:
             setattr(module, name, view)
         del t, module
     forget = getattr(model, "forget_decode_plans", None)
-    if forget is not None:    # cached plans hold the old tensors
+    if forget is not None:  # cached plans hold the old tensors
         forget()
     _trim_heap()
     logger.info("weights: %d tensors, %.1f MiB, in one huge-page buffer", len(moved), size / 2**20)

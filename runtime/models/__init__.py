@@ -1,4 +1,5 @@
 """Our model implementations, looked up by the `architectures` name in a HF config."""
+
 from __future__ import annotations
 
 from .llama import LlamaForCausalLM
@@ -19,4 +20,5 @@ def get_model_class(config) -> type:
             return MODEL_REGISTRY[arch]
     raise ValueError(
         f"unsupported model architecture {archs or getattr(config, 'model_type', '?')}; "
-        f"supported: {', '.join(sorted(MODEL_REGISTRY))}")
+        f"supported: {', '.join(sorted(MODEL_REGISTRY))}"
+    )

@@ -4,6 +4,7 @@ Weights arrive with HF names and are mapped onto merged projections (qkv, gate_u
 layer runs two fewer matmuls; with tensor parallelism each rank keeps its shard of every piece
 (see `parallel.py`). Attention goes through an `AttentionBackend`, which owns the KV pool.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -42,6 +43,7 @@ def rope_cos_sin(config, head_dim: int, max_positions: int) -> tuple[torch.Tenso
     else:
         # llama3 / linear / yarn ...: reuse transformers' own definitions of the frequencies.
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, None)
     freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -82,20 +84,25 @@ class Attention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         d = self.head_dim
         q_rows, kv_rows = (q_first * d, self.q_size), (kv_first * d, self.kv_size)
-        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [total_heads * d, total_kv * d, total_kv * d],
-                                             bias=bias, shards=[q_rows, kv_rows, kv_rows])
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size,
+            [total_heads * d, total_kv * d, total_kv * d],
+            bias=bias,
+            shards=[q_rows, kv_rows, kv_rows],
+        )
         self.o_proj = RowParallelLinear(total_heads * d, config.hidden_size, shard=q_rows)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
+    ) -> torch.Tensor:
         """cos/sin: float32 `[T, head_dim]` at the tokens' positions."""
         qkv = self.qkv_proj(x)
         if self.qk_norm:
@@ -105,10 +112,10 @@ class Attention(nn.Module):
             c, s = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
             q, k = apply_rope(q, c, s), apply_rope(k, c, s)
             v = v.reshape(-1, self.kv_heads, self.head_dim)
-        else:   # q and k are adjacent in qkv (a fresh tensor): rotate both heads' sets in place
+        else:  # q and k are adjacent in qkv (a fresh tensor): rotate both heads' sets in place
             cpu_kernels.rope_(qkv, cos, sin, self.num_heads + self.kv_heads, self.head_dim)
             heads = qkv.view(-1, self.num_heads + 2 * self.kv_heads, self.head_dim)
-            q, k, v = heads[:, :self.num_heads], heads[:, self.num_heads:-self.kv_heads], heads[:, -self.kv_heads:]
+            q, k, v = heads[:, : self.num_heads], heads[:, self.num_heads : -self.kv_heads], heads[:, -self.kv_heads :]
         return self.o_proj(backend.forward(q, k, v, self.layer_id, batch, self.scale))
 
 
@@ -150,19 +157,20 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
-                                      tied=self.embed_tokens if self.tie_word_embeddings else None)
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, tied=self.embed_tokens if self.tie_word_embeddings else None
+        )
         head_dim = self.layers[0].self_attn.head_dim
         cos, sin = rope_cos_sin(config, head_dim, max_positions or config.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self._decode_plans: dict[tuple[int, torch.dtype], tuple | None] = {}
-        self._decode_handles: dict[tuple[int, torch.dtype], tuple] = {}   # (blocks' key, DecodePlan)
+        self._decode_handles: dict[tuple[int, torch.dtype], tuple] = {}  # (blocks' key, DecodePlan)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor | None:
         fused = None if batch.keep_hidden else self._begin_fused_decode(batch, backend)
-        if fused is not None and fused[2] and batch.logits_all:   # token ids to logits in one op
+        if fused is not None and fused[2] and batch.logits_all:  # token ids to logits in one op
             return cpu_kernels.ops.decode_step(batch.input_ids, batch.positions, fused[0], *fused[1])
         x, delta = self.embed_tokens(batch.input_ids), None
         cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
@@ -171,13 +179,13 @@ class LlamaForCausalLM(nn.Module):
         else:
             for layer in self.layers:
                 x, delta = layer(x, delta, cos, sin, batch, backend)
-        if batch.logits_all:   # every row's logits (decode): no gather of 2 x [rows, hidden]
+        if batch.logits_all:  # every row's logits (decode): no gather of 2 x [rows, hidden]
             hidden = self.norm(x, delta)
         else:
             idx = batch.logits_index
             hidden = self.norm(x.index_select(0, idx), delta.index_select(0, idx))
         if batch.keep_hidden:
-            self.last_hidden = hidden      # read right after this step by the scheduler (embeddings)
+            self.last_hidden = hidden  # read right after this step by the scheduler (embeddings)
         return self.lm_head(hidden)
 
     def _begin_fused_decode(self, batch: ForwardBatch, backend: AttentionBackend) -> tuple | None:
@@ -201,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         blocks, (pool_k, pool_v, mirror_k, mirror_v), per_step = state
         held = self._decode_handles.get(key)
-        if held is None or held[0] != blocks:   # the op's fixed arguments, held in C++ across steps
+        if held is None or held[0] != blocks:  # the op's fixed arguments, held in C++ across steps
             # (a handle of replaced blocks would keep their memory: all such go, of every row count)
             self._decode_handles = {k: h for k, h in self._decode_handles.items() if h[0] == blocks}
             held = self._decode_handles[key] = (blocks, *self._make_decode_handle(key, plan, state[1]))
@@ -211,16 +219,36 @@ class LlamaForCausalLM(nn.Module):
         """(a `DecodePlan` of `plan`'s weights and the backend's `blocks`, whether it has the ends)."""
         attn = self.layers[0].self_attn
         handle = cpu_kernels.plan_class()(
-            plan[0], plan[1], *blocks, attn.num_heads, attn.kv_heads, attn.head_dim,
-            self.layers[0].input_layernorm.eps, attn.scale)
+            plan[0],
+            plan[1],
+            *blocks,
+            attn.num_heads,
+            attn.kv_heads,
+            attn.head_dim,
+            self.layers[0].input_layernorm.eps,
+            attn.scale,
+        )
         head = self.lm_head.decode_kernel(*key)
         embed = self.embed_tokens.weight
-        ends = (head is not None and self.norm.weight.dtype == key[1] and embed.is_contiguous()
-                and embed.shape[0] == self.config.vocab_size)
+        ends = (
+            head is not None
+            and self.norm.weight.dtype == key[1]
+            and embed.is_contiguous()
+            and embed.shape[0] == self.config.vocab_size
+        )
         if ends:
             kind, a, b, n = head
-            handle.set_ends(embed, self.rope_cos, self.rope_sin, self.norm.weight, self.norm.eps, kind, n, a,
-                            torch.empty(0) if b is None else b)
+            handle.set_ends(
+                embed,
+                self.rope_cos,
+                self.rope_sin,
+                self.norm.weight,
+                self.norm.eps,
+                kind,
+                n,
+                a,
+                torch.empty(0) if b is None else b,
+            )
         return handle, ends
 
     def forget_decode_plans(self) -> None:
@@ -253,6 +281,7 @@ class LlamaForCausalLM(nn.Module):
     def prepack_for_cpu(self) -> bool:
         """Reorder every projection (and the LM head, also when tied) for oneDNN; CPU only."""
         from ..layers.prepack import prepack_available, prepack_linears
+
         if not prepack_available() or self.embed_tokens.weight.device.type != "cpu":
             return False
         self.forget_decode_plans()
@@ -262,8 +291,11 @@ class LlamaForCausalLM(nn.Module):
 
     # --- weights -------------------------------------------------------------------------------
     _STACKED = (  # (our module, HF module, piece)
-        ("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
-        ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
+        ("qkv_proj", "q_proj", 0),
+        ("qkv_proj", "k_proj", 1),
+        ("qkv_proj", "v_proj", 2),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
     )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -282,10 +314,10 @@ class LlamaForCausalLM(nn.Module):
             piece = 0
             for ours, theirs, shard in self._STACKED:
                 if module_name.endswith("." + theirs):
-                    module_name, piece = module_name[:-len(theirs)] + ours, shard
+                    module_name, piece = module_name[: -len(theirs)] + ours, shard
                     break
             module = modules.get(module_name)
-            if hasattr(module, "load_weight"):   # a parallel layer: it picks this rank's shard
+            if hasattr(module, "load_weight"):  # a parallel layer: it picks this rank's shard
                 module.load_weight(param, tensor, piece)
                 filled.add(f"{module_name}.{param}#{piece}")
             elif name in params:
@@ -297,7 +329,7 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         self.forget_decode_plans()
-        unwrap_single_rank(self)   # tp_size 1: plain nn.Linear projections, no wrappers in the hot path
+        unwrap_single_rank(self)  # tp_size 1: plain nn.Linear projections, no wrappers in the hot path
 
     def _expected_fills(self) -> list[str]:
         out, owned = [], []

@@ -1,5 +1,6 @@
 """The scheduler's grammar side: compiling grammars off the step, matchers with JSON guards, and
 the packed token bitmasks applied to logits rows (sampled and draft positions)."""
+
 from __future__ import annotations
 
 import torch
@@ -13,6 +14,7 @@ class GrammarMaskMixin:
     def _grammars(self):
         if self._grammar_cache is None:
             from plait.grammar import GrammarCache, make_backend, tokenizer_info
+
             self._grammar_info = tokenizer_info(self.tokenizer, self.runner.vocab_size, sorted(self.eos_ids))
             backend = make_backend(self.args.grammar_backend, self._grammar_info)
             self._grammar_cache = GrammarCache(backend, compile_timeout_s=self.args.grammar_compile_timeout)
@@ -21,10 +23,12 @@ class GrammarMaskMixin:
     def _guarded(self, grammar, params):
         """A matcher of `grammar` for a request, with the JSON length guards where it is JSON."""
         from plait.grammar.json_guard import JsonLimits, guarded
+
         a = self.args
         limits = JsonLimits(
             a.json_max_number_digits if params.json_max_number_digits is None else params.json_max_number_digits,
-            a.json_max_string_length if params.json_max_string_length is None else params.json_max_string_length)
+            a.json_max_string_length if params.json_max_string_length is None else params.json_max_string_length,
+        )
         return guarded(grammar.matcher(), grammar.spec, self._grammar_info, limits, params.max_new_tokens)
 
     def _poll_grammars(self, outputs: list[TokenOutput]) -> None:
@@ -36,7 +40,7 @@ class GrammarMaskMixin:
                 continue
             try:
                 req.matcher = self._guarded(fut.result(), req.params)
-            except Exception as e:   # GrammarError, a compile timeout, a backend failure
+            except Exception as e:  # GrammarError, a compile timeout, a backend failure
                 outputs.append(self._finish_output(req, {"type": "abort", "message": f"invalid grammar: {e}"}, []))
                 continue
             self.waiting.append(req)
@@ -46,6 +50,7 @@ class GrammarMaskMixin:
         """A packed bitmask of at least `rows` rows, allocated once and reused every step."""
         if self._bitmask is None or self._bitmask.shape[0] < rows:
             from plait.grammar import allocate_token_bitmask
+
             self._bitmask = allocate_token_bitmask(max(rows, self.args.max_running_requests), self.runner.vocab_size)
         return self._bitmask[:rows]
 
@@ -86,11 +91,12 @@ class GrammarMaskMixin:
         once, unconstrained ones getting an all-allowed row: copying the constrained logits rows
         out and back costs ~30x more than the mask itself."""
         from plait.grammar import apply_token_bitmask_
+
         n = row_logits.shape[0]
         if idx != list(range(n)):
             full = self._full_mask_buffer(n, mask.shape[1])
             full.fill_(-1)
-            full[torch.tensor(idx, dtype=torch.int64)] = mask[:len(idx)]
+            full[torch.tensor(idx, dtype=torch.int64)] = mask[: len(idx)]
             mask = full
         apply_token_bitmask_(row_logits, mask[:n].to(row_logits.device))
 
@@ -98,8 +104,7 @@ class GrammarMaskMixin:
         """A [rows, width] int32 buffer reused across steps (grown when a batch needs more)."""
         buf = self._full_bitmask
         if buf is None or buf.shape[0] < rows:
-            buf = self._full_bitmask = torch.empty(max(rows, self.args.max_running_requests), width,
-                                                   dtype=torch.int32)
+            buf = self._full_bitmask = torch.empty(max(rows, self.args.max_running_requests), width, dtype=torch.int32)
         return buf[:rows]
 
     def _grammar_eos(self) -> int:
@@ -111,10 +116,13 @@ def grammar_rejected(matcher, tok: int, vocab_size: int) -> dict:
     """The abort reason when a grammar refuses the sampled token: the client's grammar when it
     allows no token at all (it cannot be met with this vocabulary: a 400), else a bug (a 500)."""
     from plait.grammar import allocate_token_bitmask
+
     mask = allocate_token_bitmask(1, vocab_size)
     mask.zero_()
     matcher.fill_mask(mask, 0)
     if not bool(mask.any()):
-        return {"type": "abort", "message": "invalid grammar: no token of the model's vocabulary can continue the "
-                                            "constrained output"}
+        return {
+            "type": "abort",
+            "message": "invalid grammar: no token of the model's vocabulary can continue the constrained output",
+        }
     return {"type": "abort", "message": f"internal error: the grammar rejected sampled token {tok}"}

@@ -1,4 +1,5 @@
 """The scheduler's logprobs: input (prompt) logprobs collected during prefill, top-k rows."""
+
 from __future__ import annotations
 
 import torch

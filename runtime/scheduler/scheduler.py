@@ -5,6 +5,7 @@ surface. Each step decodes every running request and, within a token budget, pre
 ones (chunking long prompts) in the same forward pass. When KV memory runs out it evicts cached
 prefixes, then retracts running requests back to the queue — their generated tokens kept.
 """
+
 from __future__ import annotations
 
 import logging
@@ -58,12 +59,12 @@ class Scheduler(SpeculationMixin, GrammarMaskMixin, LogprobsMixin):
         self.sampler = Sampler()
         self.eos_ids = _eos_ids(self.runner.config, self.tokenizer)
         self.waiting: deque[Req] = deque()
-        self.grammar_queue: list[tuple[Req, Future]] = []   # waiting for their grammar to compile
-        self._grammar_cache = None                          # made on first use (imports a backend)
+        self.grammar_queue: list[tuple[Req, Future]] = []  # waiting for their grammar to compile
+        self._grammar_cache = None  # made on first use (imports a backend)
         self._bitmask = None
-        self._full_bitmask = None        # batch-wide mask rows (see _apply_mask_rows)
-        self.running: list[Req] = []          # decoding
-        self.chunked: Req | None = None       # mid-prefill, continues next step
+        self._full_bitmask = None  # batch-wide mask rows (see _apply_mask_rows)
+        self.running: list[Req] = []  # decoding
+        self.chunked: Req | None = None  # mid-prefill, continues next step
         self._arrivals = 0
         # counters (read by metrics and tests)
         self.num_prompt_tokens = 0
@@ -71,19 +72,19 @@ class Scheduler(SpeculationMixin, GrammarMaskMixin, LogprobsMixin):
         self.num_generated_tokens = 0
         self.num_retractions = 0
         self.num_steps = 0
-        self.num_repeat_steps = 0             # steps whose batch was the step before's advanced (_repeat_batch)
+        self.num_repeat_steps = 0  # steps whose batch was the step before's advanced (_repeat_batch)
         self.num_jump_forward_tokens = 0
-        self.num_spec_proposed_tokens = 0     # speculative (n-gram / draft-model) tokens proposed ...
-        self.num_spec_accepted_tokens = 0     # ... and kept after verification
+        self.num_spec_proposed_tokens = 0  # speculative (n-gram / draft-model) tokens proposed ...
+        self.num_spec_accepted_tokens = 0  # ... and kept after verification
         self.jump_forward = not args.disable_jump_forward
         self.speculative = args.speculative_algorithm is not None
         if args.speculative_algorithm == "draft":
             self.draft = draft or DraftModel(args, self.runner)
         else:
             self.draft = None
-        self._draft_queue: list[tuple[Req, int]] = []   # (request, k) drafting at the end of this step
-        self._active = 0                      # requests sampling in the current step
-        self._last_decode = None              # a pure decode step's (requests, batch, rows_of)
+        self._draft_queue: list[tuple[Req, int]] = []  # (request, k) drafting at the end of this step
+        self._active = 0  # requests sampling in the current step
+        self._last_decode = None  # a pure decode step's (requests, batch, rows_of)
 
     # --- requests in and out ---------------------------------------------------------------
     def add_request(self, inp: GenerateInput) -> None:
@@ -92,8 +93,10 @@ class Scheduler(SpeculationMixin, GrammarMaskMixin, LogprobsMixin):
         if n == 0:
             raise ValueError("the prompt is empty (0 tokens)")
         if n >= self.context_len:
-            raise ValueError(f"the prompt has {n} tokens, more than the context length allows "
-                             f"({self.context_len} including at least one generated token)")
+            raise ValueError(
+                f"the prompt has {n} tokens, more than the context length allows "
+                f"({self.context_len} including at least one generated token)"
+            )
         if n + 1 > self.num_slots:
             raise ValueError(f"the prompt has {n} tokens, more than the KV cache holds ({self.num_slots})")
         vocab = self.runner.vocab_size
@@ -105,7 +108,7 @@ class Scheduler(SpeculationMixin, GrammarMaskMixin, LogprobsMixin):
         req = Req(inp, self._arrivals)
         if spec is None:
             self.waiting.append(req)
-        else:   # compiled off this thread; the batch keeps running meanwhile
+        else:  # compiled off this thread; the batch keeps running meanwhile
             self.grammar_queue.append((req, self._grammars().submit(spec)))
 
     def abort_request(self, rid: str) -> TokenOutput | None:
@@ -145,9 +148,11 @@ class Scheduler(SpeculationMixin, GrammarMaskMixin, LogprobsMixin):
     def speculative_stats(self) -> dict:
         """Speculation counters since start, and the fraction of drafts kept; with a draft model
         also the draft KV slots requests hold (0 when idle)."""
-        stats = {"num_spec_proposed_tokens": self.num_spec_proposed_tokens,
-                 "num_spec_accepted_tokens": self.num_spec_accepted_tokens,
-                 "spec_accept_rate": acceptance_rate(self.num_spec_proposed_tokens, self.num_spec_accepted_tokens)}
+        stats = {
+            "num_spec_proposed_tokens": self.num_spec_proposed_tokens,
+            "num_spec_accepted_tokens": self.num_spec_accepted_tokens,
+            "spec_accept_rate": acceptance_rate(self.num_spec_proposed_tokens, self.num_spec_accepted_tokens),
+        }
         if self.draft is not None:
             stats["draft_kv_slots_in_use"] = self.draft.slots_in_use()
         return stats
@@ -161,7 +166,7 @@ class Scheduler(SpeculationMixin, GrammarMaskMixin, LogprobsMixin):
         decode, decode_slots = self._prepare_decode(outputs)
         prefill = self._schedule_prefill(outputs)
         if not decode and not prefill:
-            if self.grammar_queue and not outputs:   # only compiles pending: wait briefly, don't spin
+            if self.grammar_queue and not outputs:  # only compiles pending: wait briefly, don't spin
                 wait_futures([f for _, f in self.grammar_queue], timeout=0.005, return_when=FIRST_COMPLETED)
             return outputs
         self.num_steps += 1
@@ -211,7 +216,7 @@ class Scheduler(SpeculationMixin, GrammarMaskMixin, LogprobsMixin):
         ones first, and their new slots in that order (where this step's K/V go)."""
         while self.running and not self._make_room(sum(r.fill_len - r.kv_len for r in self.running)):
             drafted = [r for r in self.running if r.num_draft]
-            if drafted:             # drafts are optional: drop them before retracting anyone
+            if drafted:  # drafts are optional: drop them before retracting anyone
                 for r in drafted:
                     self._drop_drafts(r)
                 continue
@@ -231,15 +236,17 @@ class Scheduler(SpeculationMixin, GrammarMaskMixin, LogprobsMixin):
             return decode, slots
         start = 0
         for req, n in zip(decode, need):
-            self.table.entries(req.row, req.kv_len, n).copy_(slots if n == len(slots) else slots[start:start + n])
+            self.table.entries(req.row, req.kv_len, n).copy_(slots if n == len(slots) else slots[start : start + n])
             start += n
         return decode, slots
 
     def _table_index(self, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor]:
         """The table entries of the requests' first uncomputed tokens, as an advanced index."""
         device = self.table.table.device
-        return (torch.tensor([r.row for r in reqs], dtype=torch.int64, device=device),
-                torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=device))
+        return (
+            torch.tensor([r.row for r in reqs], dtype=torch.int64, device=device),
+            torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=device),
+        )
 
     def _schedule_prefill(self, outputs: list[TokenOutput]) -> list[tuple[Req, int]]:
         budget = self.args.chunked_prefill_size
@@ -248,26 +255,29 @@ class Scheduler(SpeculationMixin, GrammarMaskMixin, LogprobsMixin):
             req = self.chunked
             take = min(req.fill_len - req.kv_len, budget)
             if not self._make_room(take):
-                return []            # memory frees up as decodes finish
+                return []  # memory frees up as decodes finish
             self._place(req, req.kv_len, self.allocator.alloc(take))
             selected.append((req, take))
             if req.kv_len + take < req.fill_len:
-                return selected      # still chunking: it takes the whole budget
+                return selected  # still chunking: it takes the whole budget
             self.chunked = None
             budget -= take
         if not self.waiting:
             return selected
         reserve = sum(self._future_need(r) for r in self.running)
         for req in self._ordered_waiting():
-            if budget <= 0 or self.table.available() == 0 or \
-                    len(self.running) + len(selected) >= self.args.max_running_requests:
+            if (
+                budget <= 0
+                or self.table.available() == 0
+                or len(self.running) + len(selected) >= self.args.max_running_requests
+            ):
                 break
             if req.fill_len + 1 > self.num_slots:
                 self.waiting.remove(req)
                 outputs.append(self._finish_output(req, {"type": "abort", "message": "out of KV cache memory"}, []))
                 continue
             fill = req.fill_ids
-            prefix, node = self.cache.match_prefix(fill[:req.max_cacheable_prefix()])
+            prefix, node = self.cache.match_prefix(fill[: req.max_cacheable_prefix()])
             p = len(prefix)
             if any(_common_prefix_len(fill, s.fill_ids) - p >= IN_BATCH_SHARE_MIN for s, _ in selected):
                 continue
@@ -296,13 +306,13 @@ class Scheduler(SpeculationMixin, GrammarMaskMixin, LogprobsMixin):
     def _place(self, req: Req, start: int, slots: torch.Tensor) -> None:
         """Record slots for fill_ids[start:start+len(slots)] in the request's table row."""
         req.kv_len = start
-        self.table.table[req.row, start:start + len(slots)] = slots
+        self.table.table[req.row, start : start + len(slots)] = slots
 
     def _ordered_waiting(self) -> list[Req]:
         reqs = list(self.waiting)
         if self.args.schedule_policy == "lpm" and self.cache.enabled and len(reqs) <= LPM_MAX_QUEUE:
-            lens = {id(r): len(self.cache.match_prefix(r.fill_ids[:r.max_cacheable_prefix()])[0]) for r in reqs}
-            reqs.sort(key=lambda r: -lens[id(r)])   # stable: FCFS among equals
+            lens = {id(r): len(self.cache.match_prefix(r.fill_ids[: r.max_cacheable_prefix()])[0]) for r in reqs}
+            reqs.sort(key=lambda r: -lens[id(r)])  # stable: FCFS among equals
         return reqs
 
     def _future_need(self, req: Req) -> int:
@@ -319,16 +329,16 @@ class Scheduler(SpeculationMixin, GrammarMaskMixin, LogprobsMixin):
     # --- the batch -------------------------------------------------------------------------
     def _build_batch(self, prefill: list[tuple[Req, int]], decode: list[Req], decode_slots: torch.Tensor | None):
         input_ids, rows, prefix_lens, extend_lens, locs, logits_index = [], [], [], [], [], []
-        rows_of: dict[int, tuple[int, int]] = {}    # id(req) -> (first logits row, count)
+        rows_of: dict[int, tuple[int, int]] = {}  # id(req) -> (first logits row, count)
         table = self.table.table
         pos = 0
         for req, take in prefill:
             start = req.kv_len
-            input_ids += req.fill_ids[start:start + take]
+            input_ids += req.fill_ids[start : start + take]
             rows.append(req.row)
             prefix_lens.append(start)
             extend_lens.append(take)
-            locs.append(table[req.row, start:start + take])
+            locs.append(table[req.row, start : start + take])
             if req.wants_input_logprobs:
                 rows_of[id(req)] = (len(logits_index), take)
                 logits_index += range(pos, pos + take)
@@ -337,23 +347,30 @@ class Scheduler(SpeculationMixin, GrammarMaskMixin, LogprobsMixin):
                 logits_index.append(pos + take - 1)
             pos += take
         if decode:
-            locs.append(decode_slots)   # as _prepare_decode placed them, in this order
+            locs.append(decode_slots)  # as _prepare_decode placed them, in this order
         for req in decode:
             take = req.fill_len - req.kv_len
             input_ids += req.fill_from(req.kv_len)
             rows.append(req.row)
             prefix_lens.append(req.kv_len)
             extend_lens.append(take)
-            if req.num_draft:    # the logits after the last committed token and after each draft
+            if req.num_draft:  # the logits after the last committed token and after each draft
                 rows_of[id(req)] = (len(logits_index), req.num_draft + 1)
                 logits_index += range(pos + take - req.num_draft - 1, pos + take)
             else:
                 rows_of[id(req)] = (len(logits_index), 1)
                 logits_index.append(pos + take - 1)
             pos += take
-        batch = ForwardBatch.build(input_ids, rows, prefix_lens, extend_lens,
-                                   locs[0] if len(locs) == 1 else torch.cat(locs), table, logits_index,
-                                   device=self.runner.device)
+        batch = ForwardBatch.build(
+            input_ids,
+            rows,
+            prefix_lens,
+            extend_lens,
+            locs[0] if len(locs) == 1 else torch.cat(locs),
+            table,
+            logits_index,
+            device=self.runner.device,
+        )
         batch.keep_hidden = any(req.return_embedding and req.kv_len + take == req.fill_len for req, take in prefill)
         return batch, rows_of
 
@@ -395,9 +412,9 @@ class Scheduler(SpeculationMixin, GrammarMaskMixin, LogprobsMixin):
             req.kv_len += take
             if req.wants_input_logprobs:
                 first, count = rows_of[id(req)]
-                self._collect_input_logprobs(req, start, logits[first:first + count])
+                self._collect_input_logprobs(req, start, logits[first : first + count])
             if req.kv_len < req.fill_len:
-                continue                                   # chunk done, prompt not yet
+                continue  # chunk done, prompt not yet
             first_time = not req.prefilled
             req.prefilled = True
             if self.cache.enabled:
@@ -406,7 +423,7 @@ class Scheduler(SpeculationMixin, GrammarMaskMixin, LogprobsMixin):
                 outputs.append(self._finish_prompt_only(req, rows_of))
                 continue
             if first_time and req.return_logprob and req.logprob_start_len >= 0:
-                input_lp[id(req)] = req            # attached to its first output below
+                input_lp[id(req)] = req  # attached to its first output below
             first, count = rows_of[id(req)]
             to_sample.append(req)
             sample_rows.append(first + count - 1)
@@ -427,7 +444,7 @@ class Scheduler(SpeculationMixin, GrammarMaskMixin, LogprobsMixin):
         """Sample one token for each request from its logits row. Returns (token ids, the
         log-softmax of the rows that asked for logprobs, those rows' indices in `to_sample`)."""
         if sample_rows == list(range(logits.shape[0])):
-            row_logits = logits        # a pure decode step: every row is sampled, in order (no 6 MB copy)
+            row_logits = logits  # a pure decode step: every row is sampled, in order (no 6 MB copy)
         else:
             row_logits = logits.index_select(0, torch.tensor(sample_rows, dtype=torch.int64, device=logits.device))
         lp_rows = [i for i, r in enumerate(to_sample) if r.return_logprob]
@@ -435,10 +452,15 @@ class Scheduler(SpeculationMixin, GrammarMaskMixin, LogprobsMixin):
         logprobs = torch.log_softmax(row_logits[lp_rows], dim=-1) if lp_rows else None
         self._apply_grammar_masks(to_sample, row_logits)
         sbatch = SamplingBatch.build(
-            [r.params for r in to_sample], [r.seed for r in to_sample],
-            [len(r.output_ids) for r in to_sample], [r.origin_ids for r in to_sample],
-            [r.output_ids for r in to_sample], sorted(self.eos_ids), self.runner.vocab_size,
-            device=logits.device)
+            [r.params for r in to_sample],
+            [r.seed for r in to_sample],
+            [len(r.output_ids) for r in to_sample],
+            [r.origin_ids for r in to_sample],
+            [r.output_ids for r in to_sample],
+            sorted(self.eos_ids),
+            self.runner.vocab_size,
+            device=logits.device,
+        )
         return self.sampler(row_logits, sbatch).tolist(), logprobs, lp_rows
 
     def _take_token(self, req: Req, tok: int, lp_row: torch.Tensor | None, owes_input_lp: bool) -> TokenOutput:
@@ -447,8 +469,9 @@ class Scheduler(SpeculationMixin, GrammarMaskMixin, LogprobsMixin):
         req.output_ids.append(tok)
         first = len(req.output_ids) - 1
         self.num_generated_tokens += 1
-        out = TokenOutput(rid=req.rid, new_ids=[tok], prompt_tokens=len(req.origin_ids),
-                          cached_tokens=max(req.cached_tokens, 0))
+        out = TokenOutput(
+            rid=req.rid, new_ids=[tok], prompt_tokens=len(req.origin_ids), cached_tokens=max(req.cached_tokens, 0)
+        )
         if lp_row is not None:
             out.output_logprobs = [[float(lp_row[tok]), tok]]
             if req.top_logprobs_num > 0:
@@ -465,7 +488,7 @@ class Scheduler(SpeculationMixin, GrammarMaskMixin, LogprobsMixin):
             if reason is None:
                 self._propose(req)
         # jump-forward or a grammar's final EOS may add tokens; unverified drafts are not output
-        out.new_ids = req.output_ids[first:len(req.output_ids) - req.num_draft]
+        out.new_ids = req.output_ids[first : len(req.output_ids) - req.num_draft]
         out.finish_reason = reason
         return out
 
@@ -492,12 +515,13 @@ class Scheduler(SpeculationMixin, GrammarMaskMixin, LogprobsMixin):
                     req.output_ids.append(eos)
                 return {"type": "stop", "matched": eos}
             if p.stop or req.stop_patterns:
-                tail = self.tokenizer.decode(req.output_ids[-req.stop_tail_tokens:],
-                                             skip_special_tokens=p.skip_special_tokens)
+                tail = self.tokenizer.decode(
+                    req.output_ids[-req.stop_tail_tokens :], skip_special_tokens=p.skip_special_tokens
+                )
                 for s in p.stop:
                     if s in tail:
                         return {"type": "stop", "matched": s}
-                for pattern in req.stop_patterns:   # SGLang's stop_regex: the match stays in the text
+                for pattern in req.stop_patterns:  # SGLang's stop_regex: the match stays in the text
                     if pattern.search(tail):
                         return {"type": "stop", "matched": pattern.pattern}
         if n >= p.max_new_tokens:
@@ -509,13 +533,13 @@ class Scheduler(SpeculationMixin, GrammarMaskMixin, LogprobsMixin):
     def _cache_prefix(self, req: Req) -> None:
         """Insert the request's computed tokens into the cache and lock them, so requests that
         share the prefix can use it while this one still runs."""
-        ids = req.fill_ids[:req.kv_len]
-        slots = self.table.table[req.row, :req.kv_len].clone()
+        ids = req.fill_ids[: req.kv_len]
+        slots = self.table.table[req.row, : req.kv_len].clone()
         present = self.cache.insert(ids, slots)
         if present > req.cached_len:
-            self.allocator.free(slots[req.cached_len:present])
+            self.allocator.free(slots[req.cached_len : present])
         new_slots, node = self.cache.match_prefix(ids)
-        self.table.table[req.row, :len(new_slots)] = new_slots
+        self.table.table[req.row, : len(new_slots)] = new_slots
         self.cache.inc_lock(node)
         self.cache.dec_lock(req.last_node)
         req.last_node, req.cached_len = node, len(new_slots)
@@ -527,10 +551,10 @@ class Scheduler(SpeculationMixin, GrammarMaskMixin, LogprobsMixin):
             self.draft.release(req.rid)
         if req.row is None:
             return
-        slots = self.table.table[req.row, :req.kv_len].clone()
-        present = self.cache.insert(req.fill_ids[:req.kv_len], slots)
+        slots = self.table.table[req.row, : req.kv_len].clone()
+        present = self.cache.insert(req.fill_ids[: req.kv_len], slots)
         if present > req.cached_len:
-            self.allocator.free(slots[req.cached_len:present])
+            self.allocator.free(slots[req.cached_len : present])
         self.cache.dec_lock(req.last_node)
         self.table.free(req.row)
         req.row, req.last_node, req.kv_len, req.cached_len = None, None, 0, 0
@@ -539,7 +563,7 @@ class Scheduler(SpeculationMixin, GrammarMaskMixin, LogprobsMixin):
         """Send a running request back to the queue; its tokens are kept and recomputed later
         (from the cache, when its prefix survives)."""
         self.running.remove(req)
-        self._drop_drafts(req)                  # their slots go with the rest of its KV
+        self._drop_drafts(req)  # their slots go with the rest of its KV
         self._release(req)
         self.waiting.appendleft(req)
         self.num_retractions += 1
@@ -547,8 +571,13 @@ class Scheduler(SpeculationMixin, GrammarMaskMixin, LogprobsMixin):
 
     def _finish_output(self, req: Req, reason: dict, new_ids: list[int]) -> TokenOutput:
         req.finish_reason = reason
-        return TokenOutput(rid=req.rid, new_ids=new_ids, finish_reason=reason,
-                           prompt_tokens=len(req.origin_ids), cached_tokens=max(req.cached_tokens, 0))
+        return TokenOutput(
+            rid=req.rid,
+            new_ids=new_ids,
+            finish_reason=reason,
+            prompt_tokens=len(req.origin_ids),
+            cached_tokens=max(req.cached_tokens, 0),
+        )
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -563,5 +592,3 @@ def _eos_ids(config, tokenizer) -> set[int]:
         elif isinstance(src, (list, tuple)):
             ids.update(int(x) for x in src)
     return ids
-
-

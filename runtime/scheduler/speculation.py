@@ -1,6 +1,7 @@
 """The scheduler's speculation: proposing draft tokens (the grammar's forced text, an n-gram
 lookup, the draft model), verifying them in one sampler call, accepting the kept ones, and
 jump-forward for sampled constrained requests."""
+
 from __future__ import annotations
 
 import torch
@@ -53,7 +54,7 @@ class SpeculationMixin:
     def _propose_forced(self, req: Req) -> None:
         """Append the grammar's forced text as draft tokens (the matcher accepts them now)."""
         forced = req.matcher.forced_text()
-        budget = req.params.max_new_tokens - len(req.output_ids) - 1   # room for the model's own next token
+        budget = req.params.max_new_tokens - len(req.output_ids) - 1  # room for the model's own next token
         if not forced or budget <= 0:
             return
         # at most DRAFT_MAX_TOKENS positions per verify pass (drafts + the model's own token), so the
@@ -63,9 +64,11 @@ class SpeculationMixin:
 
     def _draft_budget(self, req: Req) -> int:
         """How many speculative tokens the request may take now (<= 0: none)."""
-        return min(self.args.speculative_num_draft_tokens,
-                   req.params.max_new_tokens - len(req.output_ids) - 1,      # room for the model's own token
-                   self.context_len - len(req.origin_ids) - len(req.output_ids) - 1)
+        return min(
+            self.args.speculative_num_draft_tokens,
+            req.params.max_new_tokens - len(req.output_ids) - 1,  # room for the model's own token
+            self.context_len - len(req.origin_ids) - len(req.output_ids) - 1,
+        )
 
     def _propose_ngram(self, req: Req) -> None:
         """Append the tokens that followed the latest earlier occurrence of the request's tail."""
@@ -78,7 +81,7 @@ class SpeculationMixin:
         if req.ngram_length is None:
             req.ngram_length = DraftLength(a.speculative_num_draft_tokens, shrink=False)
         k = min(k, req.ngram_length.take())
-        if k <= 0:   # pausing after rejected rounds
+        if k <= 0:  # pausing after rejected rounds
             return
         self._append_drafts(req, req.ngram.propose(req.fill_ids, k), self._direct_jump(req))
         if req.num_draft:
@@ -115,7 +118,7 @@ class SpeculationMixin:
         if req.num_draft:
             if req.matcher is not None:
                 req.matcher.rollback(req.num_draft)
-            del req.output_ids[-req.num_draft:]
+            del req.output_ids[-req.num_draft :]
             req.num_draft = 0
 
     def _verify_drafts(self, reqs: list[Req], logits: torch.Tensor, rows_of) -> list[TokenOutput]:
@@ -137,21 +140,22 @@ class SpeculationMixin:
                 seeds.append(req.seed)
                 steps.append(len(base) + i)
                 prompts.append(req.origin_ids)
-                outs.append(base + drafts[:i] if penalised else base)   # only penalties read them
+                outs.append(base + drafts[:i] if penalised else base)  # only penalties read them
             drafts_of.append(drafts)
         rows = torch.tensor(idx, dtype=torch.int64, device=logits.device)
         row_logits = logits.index_select(0, rows)
         # logprobs report the model's distribution, before grammar masks and penalties
         logprobs = torch.log_softmax(row_logits, dim=-1) if any(r.return_logprob for r in reqs) else None
         self._apply_draft_masks(reqs, drafts_of, row_logits)
-        sbatch = SamplingBatch.build(params, seeds, steps, prompts, outs, sorted(self.eos_ids),
-                                     self.runner.vocab_size, device=logits.device)
+        sbatch = SamplingBatch.build(
+            params, seeds, steps, prompts, outs, sorted(self.eos_ids), self.runner.vocab_size, device=logits.device
+        )
         targets = self.sampler(row_logits, sbatch).tolist()
         results, off = [], 0
         for req, drafts in zip(reqs, drafts_of):
             n = len(drafts) + 1
-            lp = logprobs[off:off + n] if logprobs is not None and req.return_logprob else None
-            results.append(self._accept_drafts(req, drafts, targets[off:off + n], lp))
+            lp = logprobs[off : off + n] if logprobs is not None and req.return_logprob else None
+            results.append(self._accept_drafts(req, drafts, targets[off : off + n], lp))
             off += n
         return results
 
@@ -159,11 +163,11 @@ class SpeculationMixin:
         """Commit the kept drafts and the model's own token, checking finish after each exactly
         as single-token decoding does; free the KV slots of rejected drafts."""
         k = len(drafts)
-        end = req.fill_len                      # positions that got KV this step
-        del req.output_ids[-k:]                 # (the matcher is already back before the drafts)
+        end = req.fill_len  # positions that got KV this step
+        del req.output_ids[-k:]  # (the matcher is already back before the drafts)
         req.num_draft = 0
         start = len(req.output_ids)
-        valid_kv = req.fill_len                 # the last committed token's KV was computed this step
+        valid_kv = req.fill_len  # the last committed token's KV was computed this step
         reason = None
         kept = 0
         for i, tok in enumerate(targets):
@@ -172,28 +176,33 @@ class SpeculationMixin:
                 break
             req.output_ids.append(tok)
             matched = i < k and tok == drafts[i]
-            kept += matched                     # a kept draft: its KV (computed this step) stands
+            kept += matched  # a kept draft: its KV (computed this step) stands
             reason = self._check_finish(req, tok)
             if reason is not None or not matched:
                 break
         if reason is None and self._direct_jump(req) and self._jump_forward(req):
-            reason = self._check_finish(req, req.output_ids[-1])   # as after a sampled token
+            reason = self._check_finish(req, req.output_ids[-1])  # as after a sampled token
         new = req.output_ids[start:]
         self.num_generated_tokens += len(new)
         if req.draft_source in ("ngram", "draft"):
             self.num_spec_proposed_tokens += k
             self.num_spec_accepted_tokens += kept
-            if req.draft_source == "ngram":   # (the draft model tracks its own from the committed ids)
+            if req.draft_source == "ngram":  # (the draft model tracks its own from the committed ids)
                 req.ngram_length.record(k, kept)
         else:
             self.num_jump_forward_tokens += max(len(new) - 1, 0)
         # KV stands for the kept drafts only: not for the model's own last token (its slot may
         # hold a rejected draft's KV) nor for an EOS a finished grammar appended.
         req.kv_len = valid_kv + kept
-        if end > req.kv_len:                    # slots of rejected drafts
-            self.allocator.free(self.table.table[req.row, req.kv_len:end].clone())
-        out = TokenOutput(rid=req.rid, new_ids=new, prompt_tokens=len(req.origin_ids),
-                          cached_tokens=max(req.cached_tokens, 0), finish_reason=reason)
+        if end > req.kv_len:  # slots of rejected drafts
+            self.allocator.free(self.table.table[req.row, req.kv_len : end].clone())
+        out = TokenOutput(
+            rid=req.rid,
+            new_ids=new,
+            prompt_tokens=len(req.origin_ids),
+            cached_tokens=max(req.cached_tokens, 0),
+            finish_reason=reason,
+        )
         if lp is not None:
             sampled = len(new) if reason is None or req.matcher is None else min(len(new), kept + 1)
             out.output_logprobs = [[float(lp[i, t]), t] for i, t in enumerate(new[:sampled])]
@@ -213,7 +222,7 @@ class SpeculationMixin:
             return False
         last = req.output_ids[-1]
         last_text = self.tokenizer.decode([last])
-        replace = "\ufffd" not in last_text        # a partial UTF-8 byte can't be re-tokenized alone
+        replace = "\ufffd" not in last_text  # a partial UTF-8 byte can't be re-tokenized alone
         ids = self.tokenizer.encode((last_text if replace else "") + forced, add_special_tokens=False)
         if replace and ids and ids[0] == last:
             ids, replace = ids[1:], False
@@ -225,7 +234,7 @@ class SpeculationMixin:
             if not req.matcher.accept(t):
                 break
             accepted.append(t)
-        if replace and not accepted:             # keep what was sampled
+        if replace and not accepted:  # keep what was sampled
             req.matcher.accept(last)
             return False
         if replace:

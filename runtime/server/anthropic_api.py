@@ -3,6 +3,7 @@ and Claude-style agent tools call it, translated onto the chat-completions path:
 template, tool-call constraints and parsing, sampling and engine requests. Errors come in
 Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`); the API key is taken from
 `x-api-key` as well as `Authorization: Bearer`."""
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,16 @@ from .openai_stream import StreamShaper
 from .server_state import ServerState
 
 # Anthropic's error `type` per HTTP status
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                503: "overloaded_error", 504: "api_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "api_error",
+}
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -39,8 +47,9 @@ def _text_of(content: Any, where: str) -> str:
     """A string, or a list of text blocks, as one string."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text"
-                                         and isinstance(b.get("text"), str) for b in content):
+    if isinstance(content, list) and all(
+        isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str) for b in content
+    ):
         return "".join(b["text"] for b in content)
     raise ApiError(400, f"{where} must be a string or a list of text blocks")
 
@@ -65,15 +74,28 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
             if kind == "text" and isinstance(b.get("text"), str):
                 text.append(b["text"])
             elif kind == "tool_use" and m["role"] == "assistant" and isinstance(b.get("name"), str):
-                calls.append({"id": str(b.get("id") or ""), "type": "function",
-                              "function": {"name": b["name"], "arguments": json.dumps(b.get("input") or {})}})
+                calls.append(
+                    {
+                        "id": str(b.get("id") or ""),
+                        "type": "function",
+                        "function": {"name": b["name"], "arguments": json.dumps(b.get("input") or {})},
+                    }
+                )
             elif kind == "tool_result" and m["role"] == "user":
                 result = _text_of(b.get("content", ""), f"messages.{i}.content.{j}.content")
-                out.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id") or ""),
-                            "content": ("Error: " if b.get("is_error") else "") + result})
+                out.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": str(b.get("tool_use_id") or ""),
+                        "content": ("Error: " if b.get("is_error") else "") + result,
+                    }
+                )
             else:
-                raise ApiError(400, f"messages.{i}.content.{j}: unsupported content block type {kind!r} "
-                                    f"for role {m['role']!r} (text, tool_use and tool_result are supported)")
+                raise ApiError(
+                    400,
+                    f"messages.{i}.content.{j}: unsupported content block type {kind!r} "
+                    f"for role {m['role']!r} (text, tool_use and tool_result are supported)",
+                )
         if calls:
             out.append({"role": "assistant", "content": "".join(text) or None, "tool_calls": calls})
         elif text or m["role"] == "assistant":
@@ -105,8 +127,12 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     messages = _messages(body["messages"])
     if body.get("system") is not None:
         messages.insert(0, {"role": "system", "content": _text_of(body["system"], "system")})
-    chat: dict[str, Any] = {"model": body["model"], "messages": messages, "max_tokens": body["max_tokens"],
-                            "stream": body.get("stream", False)}
+    chat: dict[str, Any] = {
+        "model": body["model"],
+        "messages": messages,
+        "max_tokens": body["max_tokens"],
+        "stream": body.get("stream", False),
+    }
     for name in ("temperature", "top_p", "top_k"):
         if body.get(name) is not None:
             chat[name] = body[name]
@@ -114,12 +140,21 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
         chat["stop"] = body["stop_sequences"]
     tools = body.get("tools")
     if tools:
-        if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str)
-                                                  for t in tools):
+        if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("name"), str) for t in tools
+        ):
             raise ApiError(400, "tools must be a list of {name, description, input_schema}")
-        chat["tools"] = [{"type": "function", "function": {
-            "name": t["name"], "description": t.get("description", ""),
-            "parameters": t.get("input_schema") or {"type": "object"}}} for t in tools]
+        chat["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": t["name"],
+                    "description": t.get("description", ""),
+                    "parameters": t.get("input_schema") or {"type": "object"},
+                },
+            }
+            for t in tools
+        ]
     fmt = (body.get("output_config") or {}).get("format") if isinstance(body.get("output_config"), dict) else None
     fmt = fmt or body.get("output_format")
     if fmt is not None:
@@ -145,24 +180,42 @@ def _stop(result: dict[str, Any], reason: str, stop_sequences: list[str]) -> tup
 
 def _usage(result: dict[str, Any]) -> dict[str, int]:
     meta = result["meta_info"]
-    return {"input_tokens": meta["prompt_tokens"], "output_tokens": meta["completion_tokens"],
-            "cache_read_input_tokens": meta["cached_tokens"], "cache_creation_input_tokens": 0}
+    return {
+        "input_tokens": meta["prompt_tokens"],
+        "output_tokens": meta["completion_tokens"],
+        "cache_read_input_tokens": meta["cached_tokens"],
+        "cache_creation_input_tokens": 0,
+    }
 
 
-def message(state: ServerState, req: OpenAIRequest, result: dict[str, Any], stop_sequences: list[str],
-            mid: str) -> dict[str, Any]:
+def message(
+    state: ServerState, req: OpenAIRequest, result: dict[str, Any], stop_sequences: list[str], mid: str
+) -> dict[str, Any]:
     """The Message of a finished request."""
     msg, reason = chat_message(req, result["text"], finish_reason(result))
     content: list[dict[str, Any]] = []
     if msg.get("content"):
         content.append({"type": "text", "text": msg["content"]})
     for call in msg.get("tool_calls") or []:
-        content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-                        "input": json.loads(call["function"]["arguments"])})
+        content.append(
+            {
+                "type": "tool_use",
+                "id": call["id"],
+                "name": call["function"]["name"],
+                "input": json.loads(call["function"]["arguments"]),
+            }
+        )
     stop_reason, stop_sequence = _stop(result, reason, stop_sequences)
-    return {"id": mid, "type": "message", "role": "assistant", "model": state.served_model_name,
-            "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-            "usage": _usage(result)}
+    return {
+        "id": mid,
+        "type": "message",
+        "role": "assistant",
+        "model": state.served_model_name,
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence,
+        "usage": _usage(result),
+    }
 
 
 def _event(name: str, data: dict[str, Any]) -> str:
@@ -178,21 +231,36 @@ class MessageStream:
         self.stop_sequences = stop_sequences
         self.mid = mid
         self.model = state.served_model_name
-        self.block = -1                 # index of the open content block
-        self.kind: str | None = None    # its type
+        self.block = -1  # index of the open content block
+        self.kind: str | None = None  # its type
 
     def start(self) -> list[str]:
-        return [_event("message_start", {"type": "message_start", "message": {
-            "id": self.mid, "type": "message", "role": "assistant", "model": self.model, "content": [],
-            "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": 0, "output_tokens": 0}}})]
+        return [
+            _event(
+                "message_start",
+                {
+                    "type": "message_start",
+                    "message": {
+                        "id": self.mid,
+                        "type": "message",
+                        "role": "assistant",
+                        "model": self.model,
+                        "content": [],
+                        "stop_reason": None,
+                        "stop_sequence": None,
+                        "usage": {"input_tokens": 0, "output_tokens": 0},
+                    },
+                },
+            )
+        ]
 
     def _open(self, block: dict[str, Any]) -> list[str]:
         out = self._close()
         self.block += 1
         self.kind = block["type"]
-        out.append(_event("content_block_start", {"type": "content_block_start", "index": self.block,
-                                                  "content_block": block}))
+        out.append(
+            _event("content_block_start", {"type": "content_block_start", "index": self.block, "content_block": block})
+        )
         return out
 
     def _close(self) -> list[str]:
@@ -219,9 +287,16 @@ class MessageStream:
             else:
                 stop_reason, stop_sequence = _stop(result, value, self.stop_sequences)
                 out += self._close()
-                out.append(_event("message_delta", {
-                    "type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                    "usage": _usage(result)}))
+                out.append(
+                    _event(
+                        "message_delta",
+                        {
+                            "type": "message_delta",
+                            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                            "usage": _usage(result),
+                        },
+                    )
+                )
                 out.append(_event("message_stop", {"type": "message_stop"}))
         return out
 
@@ -236,8 +311,9 @@ async def _create(state: ServerState, request: Request) -> Response:
     mid = "msg_" + uuid.uuid4().hex
     if req.stream:
         shaper = MessageStream(state, req, stop_sequences, mid)
-        return await chat_adapter.stream(state, request, req, "messages", shaper.start(), shaper.update,
-                                         lambda e: _event("error", error_body(e)))
+        return await chat_adapter.stream(
+            state, request, req, "messages", shaper.start(), shaper.update, lambda e: _event("error", error_body(e))
+        )
     result = await chat_adapter.complete(state, request, req, "messages")
     return json_response(message(state, req, result, stop_sequences, mid))
 

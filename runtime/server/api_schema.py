@@ -7,6 +7,7 @@ the server rejects too (the fuzz test checks it); the server may reject more (a 
 the context length, a grammar that does not compile). Unknown fields are allowed and ignored,
 as OpenAI's API does.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
@@ -21,7 +22,7 @@ from ..sampling_params import (
     MAX_STOP_TOKEN_IDS,
 )
 
-MAX_TOP_LOGPROBS = 20        # OpenAI's bound on logprobs / top_logprobs
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on logprobs / top_logprobs
 MAX_NATIVE_TOP_LOGPROBS = 1000
 
 # Constrained scalar types shared by the models.
@@ -42,12 +43,14 @@ TokenIds = list[NonNegInt]
 
 class _Open(BaseModel):
     """Unknown fields are allowed (and ignored)."""
+
     model_config = ConfigDict(extra="allow")
 
 
 # --- native (SGLang) API ----------------------------------------------------------------------
 class SamplingParamsBody(_Open):
     """`sampling_params` of /generate (SGLang's names)."""
+
     max_new_tokens: NonNegInt | None = 128
     min_new_tokens: NonNegInt | None = 0
     temperature: Temperature | None = 1.0
@@ -73,6 +76,7 @@ class SamplingParamsBody(_Open):
 
 class GenerateRequest(_Open):
     """POST /generate: exactly one of `text` and `input_ids`; a list of prompts is a batch."""
+
     text: str | Annotated[list[str], Field(min_length=1)] | None = None
     input_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1)] | None = None
     sampling_params: SamplingParamsBody | list[SamplingParamsBody | None] | None = None
@@ -86,6 +90,7 @@ class GenerateRequest(_Open):
 
 class AbortRequest(_Open):
     """POST /abort_request: one request (`rid`) or all (`abort_all: true`)."""
+
     rid: str | None = None
     abort_all: bool | None = None
 
@@ -99,6 +104,7 @@ class MetaInfo(_Open):
 
 class GenerateResult(_Open):
     """One result of /generate (a list of them for a batch or n > 1)."""
+
     text: str
     output_ids: list[int]
     meta_info: MetaInfo
@@ -152,14 +158,15 @@ class NamedToolChoice(_Open):
 class ResponseFormat(_Open):
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: dict[str, Any] | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")   # with json_object (llama.cpp's form)
-    format: dict[str, Any] | None = None        # structural_tag: xgrammar's format
-    structures: list[dict[str, Any]] | None = None   # structural_tag, the older form: begin / schema / end
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # with json_object (llama.cpp's form)
+    format: dict[str, Any] | None = None  # structural_tag: xgrammar's format
+    structures: list[dict[str, Any]] | None = None  # structural_tag, the older form: begin / schema / end
     triggers: list[str] | None = None
 
 
 class StructuredOutputs(_Open):
     """vLLM's structured_outputs: one of its constraints."""
+
     json_: str | dict[str, Any] | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
@@ -207,14 +214,19 @@ class _OpenAICommon(_Open):
 
 class CompletionRequest(_OpenAICommon):
     """POST /v1/completions."""
-    prompt: (Annotated[str, Field()] | Annotated[list[str], Field(min_length=1)]
-             | Annotated[list[NonNegInt], Field(min_length=1)]
-             | Annotated[list[Annotated[list[NonNegInt], Field(min_length=1)]], Field(min_length=1)])
+
+    prompt: (
+        Annotated[str, Field()]
+        | Annotated[list[str], Field(min_length=1)]
+        | Annotated[list[NonNegInt], Field(min_length=1)]
+        | Annotated[list[Annotated[list[NonNegInt], Field(min_length=1)]], Field(min_length=1)]
+    )
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
 
 class ChatCompletionRequest(_OpenAICommon):
     """POST /v1/chat/completions."""
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: NonNegInt | None = None
     logprobs: bool | None = False
@@ -222,8 +234,8 @@ class ChatCompletionRequest(_OpenAICommon):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    separate_reasoning: bool | None = None   # with --reasoning-parser: false keeps <think> in the content
-    chat_template_kwargs: dict[str, Any] | None = None   # the chat template's own variables (enable_thinking, ...)
+    separate_reasoning: bool | None = None  # with --reasoning-parser: false keeps <think> in the content
+    chat_template_kwargs: dict[str, Any] | None = None  # the chat template's own variables (enable_thinking, ...)
 
 
 class Usage(_Open):
@@ -270,6 +282,7 @@ class ErrorBody(_Open):
 
 class ErrorResponse(_Open):
     """Every non-200 answer."""
+
     error: ErrorBody
 
 
@@ -280,12 +293,22 @@ class AnthropicErrorBody(_Open):
 
 class AnthropicErrorResponse(_Open):
     """Every non-200 answer of the Messages API (Anthropic's shape)."""
+
     type: Literal["error"]
     error: AnthropicErrorBody
 
 
-MODELS = (GenerateRequest, GenerateResult, AbortRequest, CompletionRequest, ChatCompletionRequest,
-          CompletionResponse, ChatCompletionResponse, ErrorResponse, AnthropicErrorResponse)
+MODELS = (
+    GenerateRequest,
+    GenerateResult,
+    AbortRequest,
+    CompletionRequest,
+    ChatCompletionRequest,
+    CompletionResponse,
+    ChatCompletionResponse,
+    ErrorResponse,
+    AnthropicErrorResponse,
+)
 ERROR_STATUSES = (400, 401, 404, 405, 413, 415, 503, 504)
 
 
@@ -299,8 +322,9 @@ def json_body(model: type[BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref(model)}}}}
 
 
-def responses(ok: dict[str, Any] | None = None, stream: bool = False,
-              error: type[BaseModel] = ErrorResponse) -> dict[int | str, Any]:
+def responses(
+    ok: dict[str, Any] | None = None, stream: bool = False, error: type[BaseModel] = ErrorResponse
+) -> dict[int | str, Any]:
     """`responses` of a route: 200 (`ok` as JSON, plus SSE when it streams) and the errors (`error`'s shape)."""
     content: dict[str, Any] = {"application/json": {"schema": ok or {}}}
     if stream:
@@ -314,8 +338,8 @@ def responses(ok: dict[str, Any] | None = None, stream: bool = False,
 def add_components(openapi: dict[str, Any]) -> dict[str, Any]:
     """Put the JSON schemas of MODELS (and their parts) into `openapi["components"]["schemas"]`."""
     from pydantic.json_schema import models_json_schema
-    _, defs = models_json_schema([(m, "validation") for m in MODELS],
-                                 ref_template="#/components/schemas/{model}")
+
+    _, defs = models_json_schema([(m, "validation") for m in MODELS], ref_template="#/components/schemas/{model}")
     schemas = openapi.setdefault("components", {}).setdefault("schemas", {})
     schemas.update(defs.get("$defs", {}))
     return openapi

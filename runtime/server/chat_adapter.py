@@ -1,6 +1,7 @@
 """Running one chat request for an API that is translated onto the chat-completions path (the
 Messages API, the Responses API): the engine call, and an SSE stream whose events the API's own
 shaper writes from each cumulative result."""
+
 from __future__ import annotations
 
 import logging
@@ -21,14 +22,21 @@ async def complete(state: ServerState, request: Request, req: OpenAIRequest, end
     """The finished engine result of a one-choice chat request."""
     rids = [f"{req.rid}-0"]
     with state.admit(rids, {req.rid: rids}) as hold:
-        results = await state.generate(request, hold, endpoint, **engine_prompts(req),
-                                       sampling_params=req.params, rid=rids)
+        results = await state.generate(
+            request, hold, endpoint, **engine_prompts(req), sampling_params=req.params, rid=rids
+        )
     return results[0]
 
 
-async def stream(state: ServerState, request: Request, req: OpenAIRequest, endpoint: str,
-                 start: list[str], update: Callable[[dict[str, Any]], list[str]],
-                 error: Callable[[ApiError], str]) -> EventStream:
+async def stream(
+    state: ServerState,
+    request: Request,
+    req: OpenAIRequest,
+    endpoint: str,
+    start: list[str],
+    update: Callable[[dict[str, Any]], list[str]],
+    error: Callable[[ApiError], str],
+) -> EventStream:
     """An SSE response for a one-choice chat request: the `start` events, then `update(result)`'s
     events for each cumulative result, or `error(e)` if the request fails midway."""
     rids = [f"{req.rid}-0"]
@@ -76,7 +84,7 @@ def stream_parts(shaper: StreamShaper, result: dict[str, Any]) -> Iterator[tuple
             yield "text", delta["content"]
         for call in delta.get("tool_calls") or []:
             fn = call.get("function") or {}
-            if call.get("id") or fn.get("name"):          # a call's id and name come once, first
+            if call.get("id") or fn.get("name"):  # a call's id and name come once, first
                 yield "call", (call.get("id") or new_call_id(), fn["name"])
             if fn.get("arguments"):
                 yield "arguments", fn["arguments"]

@@ -2,6 +2,7 @@
 L2-normalized (`Engine.encode`), computed as prefill-only requests through the same scheduler,
 batches and prefix cache as generation. `encoding_format` "float" or "base64" (little-endian
 float32, what the openai SDK asks for by default)."""
+
 from __future__ import annotations
 
 import base64
@@ -15,7 +16,7 @@ from .api_schema import responses
 from .http_common import ApiError, is_int, json_response, read_json
 from .server_state import ServerState
 
-MAX_INPUTS = 2048        # items in one request, as OpenAI allows
+MAX_INPUTS = 2048  # items in one request, as OpenAI allows
 
 
 def _inputs(value: Any) -> tuple[str, list]:
@@ -53,18 +54,26 @@ async def embeddings(state: ServerState, request: Request, body: dict[str, Any])
     width = state.engine.hidden_size
     dims = body.get("dimensions")
     if dims is not None and dims != width:
-        raise ApiError(400, f"dimensions {dims!r} is not supported: this model's embeddings have {width} "
-                            "dimensions (leave dimensions out)")
+        raise ApiError(
+            400,
+            f"dimensions {dims!r} is not supported: this model's embeddings have {width} "
+            "dimensions (leave dimensions out)",
+        )
     rid = "embd-" + uuid.uuid4().hex
     rids = [f"{rid}-{i}" for i in range(len(items))]
     with state.admit(rids, {rid: rids}) as hold:
-        out = await state.generate(request, hold, "embeddings", **{key: items}, sampling_params={"max_new_tokens": 0},
-                                   rid=rids, _embed=True)
+        out = await state.generate(
+            request, hold, "embeddings", **{key: items}, sampling_params={"max_new_tokens": 0}, rid=rids, _embed=True
+        )
     prompt_tokens = sum(r["meta_info"]["prompt_tokens"] for r in out)
-    return {"object": "list", "model": state.served_model_name,
-            "data": [{"object": "embedding", "index": i, "embedding": _encoded(r["embedding"], fmt)}
-                     for i, r in enumerate(out)],
-            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+    return {
+        "object": "list",
+        "model": state.served_model_name,
+        "data": [
+            {"object": "embedding", "index": i, "embedding": _encoded(r["embedding"], fmt)} for i, r in enumerate(out)
+        ],
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }
 
 
 def add_embeddings_routes(app: FastAPI, state: ServerState) -> None:

@@ -2,6 +2,7 @@
 JSON and SSE, reading a request body within limits, the API-key and size guard, error handlers,
 binding the listening socket.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -22,12 +23,17 @@ from ..output_check import INVALID_OUTPUT
 logger = logging.getLogger("plait.http")
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
-MAX_JSON_DEPTH = 64              # nesting of the request body (a JSON schema inside included)
+MAX_JSON_DEPTH = 64  # nesting of the request body (a JSON schema inside included)
 RETRY_AFTER_S = 1
 SSE_DONE = "data: [DONE]\n\n"
 # path -> `endpoint` label of the requests counter
-GENERATE_ENDPOINTS = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat",
-                      "/v1/responses": "responses", "/v1/embeddings": "embeddings"}
+GENERATE_ENDPOINTS = {
+    "/generate": "generate",
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat",
+    "/v1/responses": "responses",
+    "/v1/embeddings": "embeddings",
+}
 
 _ERROR_DEFAULTS = {
     400: ("invalid_request_error", "invalid_request"),
@@ -48,8 +54,14 @@ _UNAVAILABLE_MARKERS = ("shut down", "died unexpectedly", "process failed", "rec
 class ApiError(Exception):
     """An error answered to the client as `{"error": {...}}` with an HTTP status."""
 
-    def __init__(self, status: int, message: str, type_: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         default_type, default_code = _ERROR_DEFAULTS.get(status, ("invalid_request_error", str(status)))
         self.status = status
@@ -74,7 +86,7 @@ class ClientGone(Exception):
 def abort_error(reason: dict[str, Any]) -> ApiError:
     """The error for a request the engine ended with `{"type": "abort"}` without being asked to."""
     message = str(reason.get("message") or "the request was aborted")
-    if message.startswith(("internal error", INVALID_OUTPUT)):   # ours, not the caller's
+    if message.startswith(("internal error", INVALID_OUTPUT)):  # ours, not the caller's
         return ApiError(500, message)
     if any(m in message for m in _UNAVAILABLE_MARKERS):
         return ApiError(503, message, headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -134,7 +146,7 @@ def json_depth(value: Any) -> int:
         elif not isinstance(v, list):
             continue
         depth = max(depth, d)
-        if d <= MAX_JSON_DEPTH:   # no need to look deeper than the limit
+        if d <= MAX_JSON_DEPTH:  # no need to look deeper than the limit
             stack.extend((x, d + 1) for x in v)
     return depth
 
@@ -143,27 +155,30 @@ async def read_json(request: Request) -> dict[str, Any]:
     """The request body as a JSON object; 415 for a non-JSON Content-Type, 413 past MAX_BODY_BYTES
     (also for chunked bodies), 400 if it is not a JSON object or nests deeper than MAX_JSON_DEPTH."""
     body = bytearray()
-    async for chunk in request.stream():   # read even a body we refuse, so the connection stays usable
+    async for chunk in request.stream():  # read even a body we refuse, so the connection stays usable
         body += chunk
         if len(body) > MAX_BODY_BYTES:
             raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
     if not _is_json_type(request.headers.get("content-type")):
-        raise ApiError(415, f"Content-Type must be application/json, got {request.headers['content-type']!r} "
-                       "(with curl, add -H 'Content-Type: application/json')")
+        raise ApiError(
+            415,
+            f"Content-Type must be application/json, got {request.headers['content-type']!r} "
+            "(with curl, add -H 'Content-Type: application/json')",
+        )
     if not body.strip():
         raise ApiError(400, "the request body is empty; expected a JSON object", code="invalid_json")
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-    except RecursionError:   # nested deeper than the parser goes
-        raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels",
-                       code="invalid_json") from None
+    except RecursionError:  # nested deeper than the parser goes
+        raise ApiError(
+            400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json"
+        ) from None
     if json_depth(data) > MAX_JSON_DEPTH:
         raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
     if not isinstance(data, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}",
-                       code="invalid_json")
+        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
     return data
 
 
@@ -181,8 +196,9 @@ class GuardMiddleware:
         if scope["type"] == "http":
             err = self._check(scope)
             if err is not None:
-                if scope.get("path", "").startswith("/v1/messages"):   # Anthropic's clients read their own shape
+                if scope.get("path", "").startswith("/v1/messages"):  # Anthropic's clients read their own shape
                     from .anthropic_api import error_response
+
                     await error_response(err)(scope, receive, send)
                 else:
                     await err.response()(scope, receive, send)
@@ -194,10 +210,11 @@ class GuardMiddleware:
         if self.api_key is not None and scope.get("path") != "/health":
             scheme, _, token = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer":
-                token = headers.get("x-api-key", "")       # Anthropic's header
+                token = headers.get("x-api-key", "")  # Anthropic's header
             if not hmac.compare_digest(token.strip().encode(), self.api_key):
-                return ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>' "
-                                     "(or 'x-api-key: <key>')")
+                return ApiError(
+                    401, "missing or invalid API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
+                )
         length = headers.get("content-length")
         if length is not None:
             if not length.strip().isdigit():
@@ -221,7 +238,7 @@ def add_error_handlers(app: FastAPI, what: str = "server") -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:
         endpoint = GENERATE_ENDPOINTS.get(request.url.path)
-        state = getattr(request.app.state, "plait", None)   # the router keeps no such state
+        state = getattr(request.app.state, "plait", None)  # the router keeps no such state
         if endpoint is not None and state is not None:
             state.metrics.count_request(endpoint, exc.status)
         return exc.response()
@@ -258,4 +275,4 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError:
         sock.close()
         raise
-    return sock   # not inheritable: the engine's spawned scheduler process must not hold the port
+    return sock  # not inheritable: the engine's spawned scheduler process must not hold the port

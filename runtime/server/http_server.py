@@ -7,6 +7,7 @@ Everything that is not a 200 is an OpenAI-shaped error object
 request gets engine request ids (rids) so that a client that goes away can be aborted, which
 releases its KV memory.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,8 +32,8 @@ logger = logging.getLogger("plait.http")
 
 
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
-DRAIN_TIMEOUT_S = 5.0            # on SIGTERM: how long running requests may finish before they fail
-LOG_INTERVAL_S = 10.0            # periodic load line while busy
+DRAIN_TIMEOUT_S = 5.0  # on SIGTERM: how long running requests may finish before they fail
+LOG_INTERVAL_S = 10.0  # periodic load line while busy
 
 
 async def _log_loop(state: ServerState, interval: float) -> None:
@@ -49,16 +50,28 @@ async def _log_loop(state: ServerState, interval: float) -> None:
         rate = (gen - last_gen) / (now - last_t) if last_gen is not None else 0.0
         last_gen, last_t = gen, now
         if info.get("num_running", 0) or info.get("num_waiting", 0) or state.in_flight or rate:
-            logger.info("running: %d, queued: %d, http in flight: %d, KV usage: %.1f%%, gen throughput: "
-                        "%.1f tok/s, cache hit rate: %.1f%%", info.get("num_running", 0),
-                        info.get("num_waiting", 0), state.in_flight, 100 * kv_usage(info), rate,
-                        100 * cache_hit_rate(info))
+            logger.info(
+                "running: %d, queued: %d, http in flight: %d, KV usage: %.1f%%, gen throughput: "
+                "%.1f tok/s, cache hit rate: %.1f%%",
+                info.get("num_running", 0),
+                info.get("num_waiting", 0),
+                state.in_flight,
+                100 * kv_usage(info),
+                rate,
+                100 * cache_hit_rate(info),
+            )
 
 
-def create_app(engine: Any, api_key: str | None = None, served_model_name: str | None = None,
-               max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, ready_message: str | None = None,
-               log_interval: float = LOG_INTERVAL_S, request_timeout: float | None = None,
-               log_requests: bool = False) -> FastAPI:
+def create_app(
+    engine: Any,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+    ready_message: str | None = None,
+    log_interval: float = LOG_INTERVAL_S,
+    request_timeout: float | None = None,
+    log_requests: bool = False,
+) -> FastAPI:
     """The FastAPI app serving `engine` (which the caller owns and shuts down).
 
     `served_model_name` is the name in /v1/models and the accepted `model` (besides the model
@@ -71,10 +84,12 @@ def create_app(engine: Any, api_key: str | None = None, served_model_name: str |
     from .openai_api import add_openai_routes
     from .responses_api import add_responses_routes
     from .tokenize_api import add_tokenize_routes
+
     if request_timeout is not None and not request_timeout > 0:
         raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}")
-    state = ServerState(engine, served_model_name or str(engine.args.model), max_queued_requests,
-                        request_timeout, log_requests)
+    state = ServerState(
+        engine, served_model_name or str(engine.args.model), max_queued_requests, request_timeout, log_requests
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -87,8 +102,15 @@ def create_app(engine: Any, api_key: str | None = None, served_model_name: str |
             task.cancel()
 
     from plait import __version__
-    app = FastAPI(title="plait", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url="/openapi.json")
+
+    app = FastAPI(
+        title="plait",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+    )
     app.state.plait = state
     add_error_handlers(app)
     add_native_routes(app, state)
@@ -105,7 +127,7 @@ def create_app(engine: Any, api_key: str | None = None, served_model_name: str |
             app.openapi_schema = add_components(default_openapi())
         return app.openapi_schema
 
-    app.openapi = openapi   # type: ignore[method-assign]
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 
@@ -121,7 +143,7 @@ async def drain(state: ServerState, timeout: float) -> None:
         return
     logger.warning("%d request(s) still running after %g s; failing them", state.in_flight, timeout)
     await asyncio.to_thread(state.engine.shutdown)
-    deadline = time.monotonic() + 2.0   # let their handlers send the error
+    deadline = time.monotonic() + 2.0  # let their handlers send the error
     while state.in_flight and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
 
@@ -141,33 +163,46 @@ def _draining_server(config: Any, state: ServerState, drain_timeout: float) -> A
         def capture_signals(self) -> Any:
             with super().capture_signals():
                 yield
-                self._captured_signals.clear()   # handled: we drained and exit on our own
+                self._captured_signals.clear()  # handled: we drained and exit on our own
 
     return DrainingServer(config)
 
 
-def run_server(args: ServerArgs, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
-               max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, served_model_name: str | None = None,
-               sock: socket.socket | None = None, request_timeout: float | None = None,
-               log_requests: bool = False, drain_timeout: float = DRAIN_TIMEOUT_S) -> None:
+def run_server(
+    args: ServerArgs,
+    host: str = "127.0.0.1",
+    port: int = 30000,
+    api_key: str | None = None,
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+    served_model_name: str | None = None,
+    sock: socket.socket | None = None,
+    request_timeout: float | None = None,
+    log_requests: bool = False,
+    drain_timeout: float = DRAIN_TIMEOUT_S,
+) -> None:
     """Load the engine and serve until SIGINT / SIGTERM (drained, see `drain`); the engine is shut
     down on the way out. Raises SystemExit(1) if the engine's processes died."""
     import uvicorn
 
     from ..engine import Engine
+
     sock = sock or bind_socket(host, port)
     engine = Engine(**dataclasses.asdict(args))
     died = threading.Event()
     try:
         shown = f"[{host}]" if ":" in host else host
-        app = create_app(engine, api_key, served_model_name, max_queued_requests,
-                         ready_message=f"plait: ready, serving {args.model} at http://{shown}:{port}",
-                         request_timeout=request_timeout, log_requests=log_requests)
-        config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False,
-                                timeout_graceful_shutdown=3)
+        app = create_app(
+            engine,
+            api_key,
+            served_model_name,
+            max_queued_requests,
+            ready_message=f"plait: ready, serving {args.model} at http://{shown}:{port}",
+            request_timeout=request_timeout,
+            log_requests=log_requests,
+        )
+        config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False, timeout_graceful_shutdown=3)
         server = _draining_server(config, app.state.plait, drain_timeout)
-        threading.Thread(target=_watch_engine, args=(engine, server, died), name="plait-watchdog",
-                         daemon=True).start()
+        threading.Thread(target=_watch_engine, args=(engine, server, died), name="plait-watchdog", daemon=True).start()
         server.run(sockets=[sock])
     finally:
         engine.shutdown()

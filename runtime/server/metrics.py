@@ -4,6 +4,7 @@ histograms measured in the server from result and stream timings.
 Each app owns its `CollectorRegistry` (not prometheus-client's global one), so a process can
 create several apps (tests do) without "duplicated timeseries" errors.
 """
+
 from __future__ import annotations
 
 import time
@@ -26,30 +27,49 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         reg = self.registry
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests", registry=reg)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens of finished requests",
-                                         registry=reg)
-        self.requests = Counter(PREFIX + "requests", "Generate requests answered, by endpoint and status",
-                                ["endpoint", "status"], registry=reg)
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Generated tokens of finished requests", registry=reg
+        )
+        self.requests = Counter(
+            PREFIX + "requests",
+            "Generate requests answered, by endpoint and status",
+            ["endpoint", "status"],
+            registry=reg,
+        )
         self.running = Gauge(PREFIX + "num_running_reqs", "Requests the engine is running", registry=reg)
         self.queued = Gauge(PREFIX + "num_queued_reqs", "Requests waiting in the engine's queue", registry=reg)
-        self.in_flight = Gauge(PREFIX + "num_http_in_flight", "Generate requests the HTTP server holds",
-                               registry=reg)
-        self.cache_hit_rate = Gauge(PREFIX + "cache_hit_rate", "Prompt tokens served by the prefix cache, "
-                                    "over all prompt tokens since start", registry=reg)
-        self.kv_usage = Gauge(PREFIX + "kv_usage", "Fraction of KV slots not free (requests and prefix cache)",
-                              registry=reg)
-        self.spec_accept_rate = Gauge(PREFIX + "spec_accept_rate", "Speculative (n-gram or draft-model) draft tokens kept "
-                                      "over those proposed, since start", registry=reg)
-        self.rank_alive = Gauge(PREFIX + "tp_rank_alive", "1 while the tensor-parallel rank's process runs",
-                                ["rank"], registry=reg)
-        self.spec_accepted = Gauge(PREFIX + "spec_accepted_tokens", "Speculative draft tokens kept, since start",
-                                   registry=reg)
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token (streams)",
-                              buckets=_TTFT_BUCKETS, registry=reg)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between tokens (streams)",
-                             buckets=_ITL_BUCKETS, registry=reg)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency, arrival to last token",
-                             buckets=_E2E_BUCKETS, registry=reg)
+        self.in_flight = Gauge(PREFIX + "num_http_in_flight", "Generate requests the HTTP server holds", registry=reg)
+        self.cache_hit_rate = Gauge(
+            PREFIX + "cache_hit_rate",
+            "Prompt tokens served by the prefix cache, over all prompt tokens since start",
+            registry=reg,
+        )
+        self.kv_usage = Gauge(
+            PREFIX + "kv_usage", "Fraction of KV slots not free (requests and prefix cache)", registry=reg
+        )
+        self.spec_accept_rate = Gauge(
+            PREFIX + "spec_accept_rate",
+            "Speculative (n-gram or draft-model) draft tokens kept over those proposed, since start",
+            registry=reg,
+        )
+        self.rank_alive = Gauge(
+            PREFIX + "tp_rank_alive", "1 while the tensor-parallel rank's process runs", ["rank"], registry=reg
+        )
+        self.spec_accepted = Gauge(
+            PREFIX + "spec_accepted_tokens", "Speculative draft tokens kept, since start", registry=reg
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Time to first token (streams)", buckets=_TTFT_BUCKETS, registry=reg
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds", "Time between tokens (streams)", buckets=_ITL_BUCKETS, registry=reg
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Request latency, arrival to last token",
+            buckets=_E2E_BUCKETS,
+            registry=reg,
+        )
 
     def count_request(self, endpoint: str, status: int) -> None:
         """One answered generate request."""
@@ -95,8 +115,8 @@ class StreamTimer:
         now = time.perf_counter()
         if self.tokens == 0:
             self.metrics.ttft.observe(now - self.start)
-            new -= 1   # the first token's time is TTFT, not an inter-token gap
-        for _ in range(new):   # tokens that arrive together share the gap
+            new -= 1  # the first token's time is TTFT, not an inter-token gap
+        for _ in range(new):  # tokens that arrive together share the gap
             self.metrics.itl.observe((now - self.last) / max(new, 1))
         self.tokens, self.last = n, now
 

@@ -1,6 +1,7 @@
 """The native SGLang-compatible API (`docs/protocol.md`): `/generate` (batched, n, streaming),
 `/abort_request`, model and server info, `/flush_cache`, health.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,18 +32,19 @@ logger = logging.getLogger("plait.http")
 
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
-FLUSH_WAIT_S = 5.0               # /flush_cache waits this long for running requests to end
+FLUSH_WAIT_S = 5.0  # /flush_cache waits this long for running requests to end
 
 
 # --- native API -------------------------------------------------------------------------------
 @dataclasses.dataclass
 class NativeRequest:
     """A parsed `POST /generate` body."""
-    kwargs: dict[str, Any]          # for engine.async_generate, without rid/stream
-    item_rids: list[str]            # one per prompt
+
+    kwargs: dict[str, Any]  # for engine.async_generate, without rid/stream
+    item_rids: list[str]  # one per prompt
     n_per_item: list[int]
     stream: bool
-    batch: bool                     # the answer is a list
+    batch: bool  # the answer is a list
 
 
 def _type_error(field: str, expected: str, value: Any) -> ApiError:
@@ -96,17 +98,20 @@ def parse_native(body: dict[str, Any]) -> NativeRequest:
     kwargs["logprob_start_len"] = _opt(body, "logprob_start_len", -1, is_int, "an int")
     kwargs["top_logprobs_num"] = _opt(body, "top_logprobs_num", 0, is_int, "an int")
     if not 0 <= kwargs["top_logprobs_num"] <= MAX_NATIVE_TOP_LOGPROBS:
-        raise ApiError(400, f"top_logprobs_num must be in [0, {MAX_NATIVE_TOP_LOGPROBS}], "
-                       f"got {kwargs['top_logprobs_num']}")
+        raise ApiError(
+            400, f"top_logprobs_num must be in [0, {MAX_NATIVE_TOP_LOGPROBS}], got {kwargs['top_logprobs_num']}"
+        )
     if not -1 <= kwargs["logprob_start_len"] <= MAX_INT:
         raise ApiError(400, f"logprob_start_len must be >= -1, got {kwargs['logprob_start_len']}")
-    kwargs["return_text_in_logprobs"] = _opt(body, "return_text_in_logprobs", False,
-                                             lambda v: isinstance(v, bool), "a bool")
+    kwargs["return_text_in_logprobs"] = _opt(
+        body, "return_text_in_logprobs", False, lambda v: isinstance(v, bool), "a bool"
+    )
     stream = _opt(body, "stream", False, lambda v: isinstance(v, bool), "a bool")
     n_per_item = [_n_of(p) for p in sp] if isinstance(sp, list) else [_n_of(sp)] * num
     if sum(n_per_item) > MAX_SEQS_PER_REQUEST or max(n_per_item, default=1) > MAX_N:
-        raise ApiError(400, f"a request may ask for at most {MAX_SEQS_PER_REQUEST} sequences (prompts x n) "
-                       f"and n <= {MAX_N}")
+        raise ApiError(
+            400, f"a request may ask for at most {MAX_SEQS_PER_REQUEST} sequences (prompts x n) and n <= {MAX_N}"
+        )
     item_rids = _item_rids(body.get("rid"), num, batch)
     if not batch and n_per_item[0] > 1 and not stream:
         # n > 1 answers a list even for one prompt: send it as a batch of one
@@ -173,8 +178,9 @@ async def _native_stream(state: ServerState, request: Request, hold: Hold, req: 
     return EventStream(_native_events(state, hold, rid, first, it), hold)
 
 
-async def _native_events(state: ServerState, hold: Hold, rid: str, first: dict[str, Any],
-                         it: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+async def _native_events(
+    state: ServerState, hold: Hold, rid: str, first: dict[str, Any], it: AsyncIterator[dict[str, Any]]
+) -> AsyncIterator[str]:
     timer = StreamTimer(state.metrics, hold.start)
     result = first
     try:
@@ -193,8 +199,8 @@ async def _native_events(state: ServerState, hold: Hold, rid: str, first: dict[s
         state.metrics.count_request("generate", 200)
     except StopAsyncIteration:
         pass
-    except ApiError as e:   # past --request-timeout
-        hold.close()   # abort before the client hears of it
+    except ApiError as e:  # past --request-timeout
+        hold.close()  # abort before the client hears of it
         yield sse(e.body())
     except Exception:
         logger.exception("stream %s failed", rid)
@@ -204,8 +210,13 @@ async def _native_events(state: ServerState, hold: Hold, rid: str, first: dict[s
 
 
 def _model_info(state: ServerState) -> dict[str, Any]:
-    return {"model_path": state.model_path, "tokenizer_path": state.model_path, "is_generation": True,
-            "served_model_name": state.served_model_name, "context_length": state.context_len}
+    return {
+        "model_path": state.model_path,
+        "tokenizer_path": state.model_path,
+        "is_generation": True,
+        "served_model_name": state.served_model_name,
+        "context_length": state.context_len,
+    }
 
 
 async def _flush(state: ServerState) -> Response:
@@ -214,18 +225,25 @@ async def _flush(state: ServerState) -> Response:
         if await asyncio.to_thread(state.engine.flush_cache):
             return json_response({"success": True, "message": "cache flushed"})
         if time.monotonic() > deadline:
-            raise ApiError(503, "the cache was not flushed: requests are still running; retry when idle",
-                           code="cache_busy", headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise ApiError(
+                503,
+                "the cache was not flushed: requests are still running; retry when idle",
+                code="cache_busy",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         await asyncio.sleep(0.05)
 
 
 async def _health_generate(state: ServerState) -> Response:
     rid = f"health-{uuid.uuid4().hex}"
     try:
-        out = await asyncio.wait_for(state.engine.async_generate(
-            prompt="Hello", sampling_params={"max_new_tokens": 1, "temperature": 0}, rid=rid, strict=False),
-            HEALTH_GENERATE_TIMEOUT_S)
-    except Exception as e:   # timeout, shutdown: unhealthy, whatever the cause
+        out = await asyncio.wait_for(
+            state.engine.async_generate(
+                prompt="Hello", sampling_params={"max_new_tokens": 1, "temperature": 0}, rid=rid, strict=False
+            ),
+            HEALTH_GENERATE_TIMEOUT_S,
+        )
+    except Exception as e:  # timeout, shutdown: unhealthy, whatever the cause
         state.engine.abort(rid)
         raise ApiError(503, f"the engine could not generate: {type(e).__name__}: {e}") from None
     if is_abort(out):
@@ -238,8 +256,13 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
 
     ok_json = responses({"type": "object"})
 
-    @app.post("/generate", openapi_extra=json_body(GenerateRequest), responses=responses(
-        {"anyOf": [ref(GenerateResult), {"type": "array", "items": ref(GenerateResult)}]}, stream=True))
+    @app.post(
+        "/generate",
+        openapi_extra=json_body(GenerateRequest),
+        responses=responses(
+            {"anyOf": [ref(GenerateResult), {"type": "array", "items": ref(GenerateResult)}]}, stream=True
+        ),
+    )
     async def generate(request: Request) -> Response:
         return await handle_generate(state, request)
 
@@ -258,7 +281,7 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
         return await _flush(state)
 
     @app.get("/flush_cache", responses=ok_json)
-    async def flush_cache_get() -> Response:   # SGLang accepts both methods
+    async def flush_cache_get() -> Response:  # SGLang accepts both methods
         return await _flush(state)
 
     @app.post("/concate_and_append_request", responses=ok_json)
@@ -266,11 +289,14 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
         # The client has already joined the text; answering (not 404) keeps it from hanging.
         return json_response({"success": True})
 
-    @app.get("/health", response_class=Response, responses={200: {"description": "healthy (empty body)"},
-                                   503: responses()[503]})
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={200: {"description": "healthy (empty body)"}, 503: responses()[503]},
+    )
     async def health() -> Response:
         failure = getattr(state.engine, "failure", None)
-        if failure is not None:   # the model worker died: the watchdog is about to stop the server
+        if failure is not None:  # the model worker died: the watchdog is about to stop the server
             raise ApiError(503, f"unhealthy: {failure}")
         return Response(status_code=200)
 
@@ -290,12 +316,20 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
             raise ApiError(400, "rid must be a non-empty string")
         return json_response({"success": True, "found": state.abort_request(rid)})
 
-    @app.get("/metrics", response_class=Response, responses={200: {"description": "Prometheus metrics",
-                                          "content": {METRICS_CONTENT_TYPE: {"schema": {"type": "string"}}}},
-                                    401: responses()[401]})
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={
+            200: {
+                "description": "Prometheus metrics",
+                "content": {METRICS_CONTENT_TYPE: {"schema": {"type": "string"}}},
+            },
+            401: responses()[401],
+        },
+    )
     async def metrics() -> Response:
         try:
             info = await asyncio.to_thread(state.engine.get_server_info)
-        except Exception:   # metrics must answer even when the engine does not
+        except Exception:  # metrics must answer even when the engine does not
             info = None
         return Response(state.metrics.render(info, state.in_flight), media_type=METRICS_CONTENT_TYPE)

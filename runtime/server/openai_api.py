@@ -16,6 +16,7 @@ constraint-like field plait does not enforce (`guided_whitespace_pattern`, ...) 
 Parsing is in `openai_request.py`, tools in `openai_tools.py` and `tool_calls.py`, result shapes
 in `openai_response.py`, streaming in `openai_stream.py`.
 """
+
 from __future__ import annotations
 
 import time
@@ -46,15 +47,27 @@ async def _complete(state: ServerState, request: Request, req: OpenAIRequest) ->
     rids = expand_rids(item_rids, [req.n] * len(item_rids))
     with state.admit(rids, {req.rid: rids}) as hold:
         results = await state.generate(
-            request, hold, endpoint, **engine_prompts(req), sampling_params=req.params, rid=item_rids,
-            return_logprob=req.logprobs is not None, top_logprobs_num=req.logprobs or 0,
-            return_text_in_logprobs=True)
+            request,
+            hold,
+            endpoint,
+            **engine_prompts(req),
+            sampling_params=req.params,
+            rid=item_rids,
+            return_logprob=req.logprobs is not None,
+            top_logprobs_num=req.logprobs or 0,
+            return_text_in_logprobs=True,
+        )
     choices = [openai_choice(req, i, r) for i, r in enumerate(results)]
     prompt_tokens = sum(results[j * req.n]["meta_info"]["prompt_tokens"] for j in range(len(req.prompts)))
     completion_tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
-    cached = sum(cached_prompt_tokens(results[j * req.n:(j + 1) * req.n]) for j in range(len(req.prompts)))
-    return json_response({**envelope(req, state, int(time.time()), False), "choices": choices,
-                          "usage": usage(prompt_tokens, completion_tokens, cached)})
+    cached = sum(cached_prompt_tokens(results[j * req.n : (j + 1) * req.n]) for j in range(len(req.prompts)))
+    return json_response(
+        {
+            **envelope(req, state, int(time.time()), False),
+            "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens, cached),
+        }
+    )
 
 
 # --- routes -----------------------------------------------------------------------------------
@@ -73,16 +86,28 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models", responses=responses({"type": "object"}))
     async def models() -> Response:
-        card = {"id": state.served_model_name, "object": "model", "created": 0, "owned_by": "plait",
-                "root": state.model_path, "max_model_len": state.context_len}
+        card = {
+            "id": state.served_model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "plait",
+            "root": state.model_path,
+            "max_model_len": state.context_len,
+        }
         return json_response({"object": "list", "data": [card]})
 
-    @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest),
-              responses=responses(ref(CompletionResponse), stream=True))
+    @app.post(
+        "/v1/completions",
+        openapi_extra=json_body(CompletionRequest),
+        responses=responses(ref(CompletionResponse), stream=True),
+    )
     async def completions(request: Request) -> Response:
         return await handle_openai(state, request, chat=False)
 
-    @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest),
-              responses=responses(ref(ChatCompletionResponse), stream=True))
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=json_body(ChatCompletionRequest),
+        responses=responses(ref(ChatCompletionResponse), stream=True),
+    )
     async def chat_completions(request: Request) -> Response:
         return await handle_openai(state, request, chat=True)

@@ -1,6 +1,7 @@
 """Field checks shared by OpenAI request parsing and tool parsing: typed fields, JSON schemas,
 message content as text.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -31,7 +32,7 @@ def require_schema(schema: Any, where: str) -> None:
         raise ApiError(400, f"{where} must be a JSON schema object, got {type(schema).__name__}")
     try:
         from jsonschema import exceptions, validators
-    except ImportError:   # not a runtime dependency
+    except ImportError:  # not a runtime dependency
         return
     try:
         validators.validator_for(schema).check_schema(schema)

@@ -1,6 +1,7 @@
 """Parsing an OpenAI completions or chat request into engine calls: sampling params, the one
 structured-output constraint, prompts, max_tokens defaults.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,22 +25,44 @@ from .openai_tools import (
 )
 from .server_state import ServerState
 
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for the legacy completions API
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions API
 # OpenAI-side name -> sampling parameter, for the extensions passed through.
-EXTRA_PARAMS = {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-                "min_tokens": "min_new_tokens", "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
-                "no_stop_trim": "no_stop_trim", "skip_special_tokens": "skip_special_tokens",
-                "spaces_between_special_tokens": "spaces_between_special_tokens",
-                "json_max_number_digits": "json_max_number_digits", "json_max_string_length": "json_max_string_length"}
+EXTRA_PARAMS = {
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "min_tokens": "min_new_tokens",
+    "ignore_eos": "ignore_eos",
+    "stop_token_ids": "stop_token_ids",
+    "no_stop_trim": "no_stop_trim",
+    "skip_special_tokens": "skip_special_tokens",
+    "spaces_between_special_tokens": "spaces_between_special_tokens",
+    "json_max_number_digits": "json_max_number_digits",
+    "json_max_string_length": "json_max_string_length",
+}
 # Grammar constraints in the body (SGLang's names, `choice`, and vLLM's guided_* names) -> the
 # sampling parameter; at most one per request, counting response_format and a forced tool call.
-CONSTRAINT_FIELDS = {"regex": "regex", "ebnf": "ebnf", "json_schema": "json_schema", "choice": "choices",
-                     "guided_regex": "regex", "guided_grammar": "ebnf", "guided_json": "json_schema",
-                     "guided_choice": "choices", "structural_tag": "structural_tag"}
+CONSTRAINT_FIELDS = {
+    "regex": "regex",
+    "ebnf": "ebnf",
+    "json_schema": "json_schema",
+    "choice": "choices",
+    "guided_regex": "regex",
+    "guided_grammar": "ebnf",
+    "guided_json": "json_schema",
+    "guided_choice": "choices",
+    "structural_tag": "structural_tag",
+}
 GRAMMAR_PARAMS = ("regex", "ebnf", "json_schema", "choices", "structural_tag")
 # vLLM's `structured_outputs` object: its keys -> the sampling parameter (json_object: any object)
-STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choices", "grammar": "ebnf",
-                      "json_object": "json_schema", "structural_tag": "structural_tag"}
+STRUCTURED_OUTPUTS = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choices",
+    "grammar": "ebnf",
+    "json_object": "json_schema",
+    "structural_tag": "structural_tag",
+}
 # Its options that change nothing here (plait never falls back to unconstrained text)
 STRUCTURED_OPTIONS = ("disable_fallback",)
 # Constraint-like fields other servers take that plait does not enforce: a 400 naming them, never
@@ -50,16 +73,17 @@ UNSUPPORTED_CONSTRAINTS = ("guided_whitespace_pattern", "whitespace_pattern")
 @dataclasses.dataclass
 class OpenAIRequest:
     """A parsed completions or chat request."""
+
     chat: bool
-    prompts: list[str | list[int]]          # text or token ids, one per prompt
-    params: list[dict[str, Any]]            # sampling params per prompt (n included)
+    prompts: list[str | list[int]]  # text or token ids, one per prompt
+    params: list[dict[str, Any]]  # sampling params per prompt (n included)
     n: int
-    logprobs: int | None                    # top-k count when logprobs are asked for, else None
+    logprobs: int | None  # top-k count when logprobs are asked for, else None
     stream: bool
     include_usage: bool
-    rid: str                                # also the response id
-    tools: ToolPlan | None = None           # chat with tools the model may call (not "none")
-    reasoning: str | None = None            # the reasoning parser splitting a chat answer's <think> section
+    rid: str  # also the response id
+    tools: ToolPlan | None = None  # chat with tools the model may call (not "none")
+    reasoning: str | None = None  # the reasoning parser splitting a chat answer's <think> section
 
     @property
     def object(self) -> str:
@@ -90,7 +114,7 @@ def _response_format(body: dict[str, Any]) -> tuple[str, str] | None:
         return None
     if kind == "structural_tag":
         return "structural_tag", _structural_tag(fmt, "response_format")
-    if kind == "json_object":   # llama.cpp's server (and instructor's JSON_SCHEMA mode) may add a schema
+    if kind == "json_object":  # llama.cpp's server (and instructor's JSON_SCHEMA mode) may add a schema
         schema = fmt.get("schema")
         if schema is None:
             return "json_schema", json.dumps({"type": "object"})
@@ -105,8 +129,11 @@ def _response_format(body: dict[str, Any]) -> tuple[str, str] | None:
             raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object")
         require_schema(schema, "response_format.json_schema.schema")
         return "json_schema", json.dumps(schema)
-    raise ApiError(400, "response_format.type must be 'text', 'json_object', 'json_schema' or 'structural_tag'"
-                   + (f", got {kind!r} (not supported)" if isinstance(kind, str) else ""))
+    raise ApiError(
+        400,
+        "response_format.type must be 'text', 'json_object', 'json_schema' or 'structural_tag'"
+        + (f", got {kind!r} (not supported)" if isinstance(kind, str) else ""),
+    )
 
 
 def _structural_tag(value: Any, where: str) -> str:
@@ -123,8 +150,13 @@ def _structural_tag(value: Any, where: str) -> str:
     if isinstance(value.get("format"), dict):
         return json.dumps({"type": "structural_tag", "format": value["format"]})
     structures, triggers = value.get("structures"), value.get("triggers")
-    if not (isinstance(structures, list) and structures and isinstance(triggers, list) and triggers
-            and all(isinstance(t, str) and t for t in triggers)):
+    if not (
+        isinstance(structures, list)
+        and structures
+        and isinstance(triggers, list)
+        and triggers
+        and all(isinstance(t, str) and t for t in triggers)
+    ):
         raise ApiError(400, f"{where} must have a 'format', or 'structures' and 'triggers'")
     tags = []
     for i, st in enumerate(structures):
@@ -132,10 +164,17 @@ def _structural_tag(value: Any, where: str) -> str:
             raise ApiError(400, f"{where}.structures[{i}] must have begin, schema and end")
         schema = st.get("schema", {})
         require_schema(schema, f"{where}.structures[{i}].schema")
-        tags.append({"type": "tag", "begin": st["begin"], "end": st["end"],
-                     "content": {"type": "json_schema", "json_schema": schema}})
-    return json.dumps({"type": "structural_tag",
-                       "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}})
+        tags.append(
+            {
+                "type": "tag",
+                "begin": st["begin"],
+                "end": st["end"],
+                "content": {"type": "json_schema", "json_schema": schema},
+            }
+        )
+    return json.dumps(
+        {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}}
+    )
 
 
 def _constraint_value(name: str, param: str, value: Any) -> Any:
@@ -171,11 +210,15 @@ def _structured_outputs(body: dict[str, Any]) -> list[tuple[str, str, Any]]:
         return []
     if not isinstance(so, dict):
         raise ApiError(400, "structured_outputs must be an object")
-    unknown = sorted(k for k, v in so.items()
-                     if k not in STRUCTURED_OUTPUTS and k not in STRUCTURED_OPTIONS and v not in (None, False))
+    unknown = sorted(
+        k
+        for k, v in so.items()
+        if k not in STRUCTURED_OUTPUTS and k not in STRUCTURED_OPTIONS and v not in (None, False)
+    )
     if unknown:
-        raise ApiError(400, f"structured_outputs.{unknown[0]} is not supported (supported: "
-                       f"{', '.join(STRUCTURED_OUTPUTS)})")
+        raise ApiError(
+            400, f"structured_outputs.{unknown[0]} is not supported (supported: {', '.join(STRUCTURED_OUTPUTS)})"
+        )
     found = []
     for key, param in STRUCTURED_OUTPUTS.items():
         value = so.get(key)
@@ -194,9 +237,12 @@ def _constraints(body: dict[str, Any], plan: ToolPlan | None) -> dict[str, Any]:
     for a constraint-like field plait does not enforce."""
     for name in UNSUPPORTED_CONSTRAINTS:
         if body.get(name) not in (None, False, ""):
-            raise ApiError(400, f"{name} is not supported: plait enforces response_format, structured_outputs "
-                           "(json, regex, choice, grammar, json_object, structural_tag), regex, ebnf, json_schema, "
-                           "structural_tag and choice")
+            raise ApiError(
+                400,
+                f"{name} is not supported: plait enforces response_format, structured_outputs "
+                "(json, regex, choice, grammar, json_object, structural_tag), regex, ebnf, json_schema, "
+                "structural_tag and choice",
+            )
     found: list[tuple[str, str, Any]] = []
     fmt = _response_format(body)
     if fmt is not None:
@@ -209,8 +255,11 @@ def _constraints(body: dict[str, Any], plan: ToolPlan | None) -> dict[str, Any]:
         label = "tool_choice 'required'" if plan.choice == "required" else "a named tool_choice"
         found.append((label, "json_schema", json.dumps(tool_call_schema(plan))))
     if len(found) > 1:
-        raise ApiError(400, "give at most one output constraint (response_format, regex, ebnf, json_schema, "
-                       f"choice, structural_tag, a forced tool call); got {', '.join(f[0] for f in found)}")
+        raise ApiError(
+            400,
+            "give at most one output constraint (response_format, regex, ebnf, json_schema, "
+            f"choice, structural_tag, a forced tool call); got {', '.join(f[0] for f in found)}",
+        )
     if plan is not None and plan.choice == "auto" and plan.tagged:
         return {"structural_tag": json.dumps(_auto_tool_format(plan, found[0] if found else None))}
     return {found[0][1]: found[0][2]} if found else {}
@@ -223,11 +272,14 @@ def _auto_tool_format(plan: ToolPlan, other: tuple[str, str, Any] | None) -> dic
     if other is None:
         return {"type": "structural_tag", "format": calls}
     if other[1] != "json_schema":
-        raise ApiError(400, f"tools with tool_choice 'auto' combine with a JSON-schema response_format only, "
-                       f"not with {other[0]}")
+        raise ApiError(
+            400, f"tools with tool_choice 'auto' combine with a JSON-schema response_format only, not with {other[0]}"
+        )
     doc = {"type": "json_schema", "json_schema": json.loads(other[2])}
-    return {"type": "structural_tag",
-            "format": {"type": "or", "elements": [doc, tool_call_tags(plan, at_least_one=True)]}}
+    return {
+        "type": "structural_tag",
+        "format": {"type": "or", "elements": [doc, tool_call_tags(plan, at_least_one=True)]},
+    }
 
 
 def _max_tokens(body: dict[str, Any], chat: bool) -> int | None:
@@ -243,9 +295,15 @@ def _max_tokens(body: dict[str, Any], chat: bool) -> int | None:
 
 def _sampling(body: dict[str, Any], chat: bool, plan: ToolPlan | None = None) -> dict[str, Any]:
     """The sampling params shared by all prompts (max_new_tokens is set per prompt later)."""
-    sp = {"temperature": body.get("temperature"), "top_p": body.get("top_p"), "n": body.get("n"),
-          "stop": body.get("stop"), "seed": body.get("seed"),
-          "frequency_penalty": body.get("frequency_penalty"), "presence_penalty": body.get("presence_penalty")}
+    sp = {
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "n": body.get("n"),
+        "stop": body.get("stop"),
+        "seed": body.get("seed"),
+        "frequency_penalty": body.get("frequency_penalty"),
+        "presence_penalty": body.get("presence_penalty"),
+    }
     for name, target in EXTRA_PARAMS.items():
         if body.get(name) is not None:
             sp[target] = body[name]
@@ -278,8 +336,10 @@ def _completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
             return [list(prompt)]
         if all(isinstance(p, list) and p and all(is_int(t) for t in p) for p in prompt):
             return [list(p) for p in prompt]
-    raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
-                   "lists of token ids (non-empty)")
+    raise ApiError(
+        400,
+        "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids (non-empty)",
+    )
 
 
 def parse_openai(state: ServerState, body: dict[str, Any], chat: bool) -> OpenAIRequest:
@@ -291,9 +351,12 @@ def parse_openai(state: ServerState, body: dict[str, Any], chat: bool) -> OpenAI
         plan = parse_tools(body)
         if plan is not None:
             source = template_source(state.engine.tokenizer)
-            plan.tagged = "tools" not in source or TOOL_OPEN in source   # our Hermes block, or the template's
-        prompts: list[str | list[int]] = [render_chat(state.engine.tokenizer, body.get("messages"),
-                                                      plan.tools if plan else None, template_kwargs(body))]
+            plan.tagged = "tools" not in source or TOOL_OPEN in source  # our Hermes block, or the template's
+        prompts: list[str | list[int]] = [
+            render_chat(
+                state.engine.tokenizer, body.get("messages"), plan.tools if plan else None, template_kwargs(body)
+            )
+        ]
     else:
         if (body.get("tools") and body.get("tool_choice") != "none") or body.get("tool_choice") not in (None, "none"):
             raise ApiError(400, "tools are supported on /v1/chat/completions only")
@@ -312,8 +375,7 @@ def parse_openai(state: ServerState, body: dict[str, Any], chat: bool) -> OpenAI
     if not is_bool(separate):
         raise ApiError(400, "separate_reasoning must be a boolean")
     reasoning = state.engine.args.reasoning_parser if chat and separate else None
-    return OpenAIRequest(chat, prompts, params, n, _logprobs(body, chat), stream, include_usage, rid, plan,
-                         reasoning)
+    return OpenAIRequest(chat, prompts, params, n, _logprobs(body, chat), stream, include_usage, rid, plan, reasoning)
 
 
 def _default_max(state: ServerState, prompt: str | list[int], max_tokens: int | None, chat: bool) -> int:

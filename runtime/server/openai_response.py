@@ -1,6 +1,7 @@
 """OpenAI response shapes from engine results: finish reasons, logprobs, messages (tool calls
 included), choices, usage.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -47,8 +48,10 @@ def result_logprobs(result: dict[str, Any], start: int, end: int) -> list[tuple[
 
 def chat_logprobs(entries: list[tuple[str, float, list]]) -> dict[str, Any]:
     """OpenAI chat `logprobs` object."""
+
     def one(text: str, lp: float) -> dict[str, Any]:
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
     return {"content": [{**one(t, lp), "top_logprobs": [one(tt, tl) for tt, tl in top]} for t, lp, top in entries]}
 
 
@@ -58,9 +61,12 @@ def completion_logprobs(entries: list[tuple[str, float, list]], offset: int, k: 
     for text, _, _ in entries:
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": [t for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [{tt: tl for tt, tl in top} for _, _, top in entries] if k else None,
-            "text_offset": offsets}
+    return {
+        "tokens": [t for t, _, _ in entries],
+        "token_logprobs": [lp for _, lp, _ in entries],
+        "top_logprobs": [{tt: tl for tt, tl in top} for _, _, top in entries] if k else None,
+        "text_offset": offsets,
+    }
 
 
 def chat_message(req: OpenAIRequest, text: str, reason: str) -> tuple[dict[str, Any], str]:
@@ -93,17 +99,28 @@ def openai_choice(req: OpenAIRequest, index: int, result: dict[str, Any]) -> dic
     entries = result_logprobs(result, 0, visible_tokens(result)) if req.logprobs is not None else None
     if req.chat:
         message, reason = chat_message(req, result["text"], reason)
-        return {"index": index, "message": message,
-                "logprobs": chat_logprobs(entries) if entries is not None else None, "finish_reason": reason}
-    return {"index": index, "text": result["text"], "finish_reason": reason,
-            "logprobs": completion_logprobs(entries, 0, req.logprobs) if entries is not None else None}
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": chat_logprobs(entries) if entries is not None else None,
+            "finish_reason": reason,
+        }
+    return {
+        "index": index,
+        "text": result["text"],
+        "finish_reason": reason,
+        "logprobs": completion_logprobs(entries, 0, req.logprobs) if entries is not None else None,
+    }
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     """OpenAI `usage`; `prompt_tokens_details.cached_tokens`: prompt tokens read from the prefix cache."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def cached_prompt_tokens(results: list[dict[str, Any]]) -> int:

@@ -1,6 +1,7 @@
 """Streaming OpenAI responses: engine streams merged across prompts and n, shaped into chunks
 (`StreamShaper`), sent as SSE with usage and errors in OpenAI's form.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,8 +40,8 @@ class StreamShaper:
         self.env = envelope(req, state, int(time.time()), True)
         self.text_len: dict[int, int] = {}
         self.tokens: dict[int, int] = {}
-        self.prompt_tokens: dict[int, int] = {}     # per prompt
-        self.cached_tokens: dict[int, int] = {}     # per prompt (see cached_prompt_tokens)
+        self.prompt_tokens: dict[int, int] = {}  # per prompt
+        self.cached_tokens: dict[int, int] = {}  # per prompt (see cached_prompt_tokens)
         self.completion_tokens = 0
         self.tool_streams: dict[int, ToolStream] = {}
         self.reasoning_streams: dict[int, ReasoningStream] = {}
@@ -66,7 +67,7 @@ class StreamShaper:
         reason = finish_reason(result)
         prev_len, prev_tokens = self.text_len.get(index, 0), self.tokens.get(index, 0)
         text = result["text"]
-        if self.req.reasoning is not None:   # the reasoning goes out first; the rest sees the content only
+        if self.req.reasoning is not None:  # the reasoning goes out first; the rest sees the content only
             rs = self.reasoning_streams.setdefault(index, ReasoningStream(self.req.reasoning))
             thought, content = rs.update(text, final=reason is not None)
             if thought:
@@ -78,8 +79,11 @@ class StreamShaper:
         if self.req.logprobs is not None:
             entries = result_logprobs(result, prev_tokens, upto)
             if entries:
-                logprobs = chat_logprobs(entries) if self.req.chat else \
-                    completion_logprobs(entries, prev_len, self.req.logprobs)
+                logprobs = (
+                    chat_logprobs(entries)
+                    if self.req.chat
+                    else completion_logprobs(entries, prev_len, self.req.logprobs)
+                )
         if self.req.chat and self.req.tools is not None:
             ts = self.tool_streams.setdefault(index, ToolStream(self.req.tools))
             if reason:
@@ -105,8 +109,11 @@ class StreamShaper:
     def usage_chunk(self) -> dict[str, Any]:
         """The final chunk of `stream_options.include_usage`."""
         cached = sum(self.cached_tokens.values())
-        return {**self.env, "choices": [], "usage": usage(sum(self.prompt_tokens.values()), self.completion_tokens,
-                                                          cached)}
+        return {
+            **self.env,
+            "choices": [],
+            "usage": usage(sum(self.prompt_tokens.values()), self.completion_tokens, cached),
+        }
 
 
 async def merge_streams(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int, dict]]:
@@ -118,7 +125,7 @@ async def merge_streams(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tup
         try:
             async for r in it:
                 queue.put_nowait((i, r))
-        except Exception as e:   # handed to the consumer
+        except Exception as e:  # handed to the consumer
             queue.put_nowait((i, e))
         finally:
             queue.put_nowait((i, end))
@@ -149,9 +156,16 @@ async def _open_streams(state: ServerState, req: OpenAIRequest, rids: list[str])
         if params.get("seed") is not None and is_int(params["seed"]):
             params["seed"] += i
         key = "prompt" if isinstance(req.prompts[j], str) else "input_ids"
-        streams.append(await state.open_stream(
-            rid, **{key: req.prompts[j]}, sampling_params=params, return_logprob=req.logprobs is not None,
-            top_logprobs_num=req.logprobs or 0, return_text_in_logprobs=True))
+        streams.append(
+            await state.open_stream(
+                rid,
+                **{key: req.prompts[j]},
+                sampling_params=params,
+                return_logprob=req.logprobs is not None,
+                top_logprobs_num=req.logprobs or 0,
+                return_text_in_logprobs=True,
+            )
+        )
     return streams
 
 
@@ -159,11 +173,12 @@ def _constrained(req: OpenAIRequest) -> bool:
     return any(p.get(k) is not None for p in req.params for k in GRAMMAR_PARAMS)
 
 
-async def open_engine_stream(state: ServerState, request: Request, req: OpenAIRequest, rids: list[str]
-                             ) -> tuple[Hold, AsyncIterator[tuple[int, dict]], tuple[int, dict] | None]:
+async def open_engine_stream(
+    state: ServerState, request: Request, req: OpenAIRequest, rids: list[str]
+) -> tuple[Hold, AsyncIterator[tuple[int, dict]], tuple[int, dict] | None]:
     """Admit a streamed request and open one engine stream per choice: (its hold, the merged
     (choice, result) stream, the first result when the request is constrained, else None)."""
-    hold = state.admit(rids, {req.rid: rids})   # the response id aborts every choice
+    hold = state.admit(rids, {req.rid: rids})  # the response id aborts every choice
     merged = None
     first: tuple[int, dict] | None = None
     try:
@@ -191,23 +206,30 @@ async def stream_response(state: ServerState, request: Request, req: OpenAIReque
     return EventStream(_events(state, req, hold, rids, merged, first), hold)
 
 
-async def _with_first(first: tuple[int, dict] | None,
-                      rest: AsyncIterator[tuple[int, dict]]) -> AsyncIterator[tuple[int, dict]]:
+async def _with_first(
+    first: tuple[int, dict] | None, rest: AsyncIterator[tuple[int, dict]]
+) -> AsyncIterator[tuple[int, dict]]:
     if first is not None:
         yield first
     async for item in rest:
         yield item
 
 
-async def _events(state: ServerState, req: OpenAIRequest, hold: Hold, rids: list[str],
-                  merged: AsyncIterator[tuple[int, dict]], first: tuple[int, dict] | None) -> AsyncIterator[str]:
+async def _events(
+    state: ServerState,
+    req: OpenAIRequest,
+    hold: Hold,
+    rids: list[str],
+    merged: AsyncIterator[tuple[int, dict]],
+    first: tuple[int, dict] | None,
+) -> AsyncIterator[str]:
     shaper = StreamShaper(req, state)
     timers = [StreamTimer(state.metrics, hold.start) for _ in rids]
     items = _with_first(first, merged)
     try:
         while True:
             try:
-                idx, result = await state.next_result(hold, items)   # 504 past --request-timeout
+                idx, result = await state.next_result(hold, items)  # 504 past --request-timeout
             except StopAsyncIteration:
                 break
             timers[idx].update(result)
@@ -220,7 +242,7 @@ async def _events(state: ServerState, req: OpenAIRequest, hold: Hold, rids: list
             yield sse(shaper.usage_chunk())
         state.metrics.count_request("chat" if req.chat else "completions", 200)
     except ApiError as e:
-        hold.close()   # abort the other choices before the client hears of it
+        hold.close()  # abort the other choices before the client hears of it
         yield sse(e.body())
     except Exception:
         logger.exception("stream %s failed", req.rid)

@@ -10,6 +10,7 @@ function constrains it to that function's arguments; "none" offers no tools. Cal
 `message.tool_calls` with finish_reason "tool_calls"; streamed, a call held by a grammar comes as
 OpenAI sends it (id and name, then its arguments in pieces as they are written).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,12 +44,13 @@ For each function call, return a json object with function name and arguments wi
 @dataclasses.dataclass
 class ToolPlan:
     """The tools of a chat request and what the model may do with them."""
-    tools: list[dict[str, Any]]             # [{"type": "function", "function": {name, description?, parameters}}]
-    choice: str                             # "none" | "auto" | "required" | "named"
-    named: str | None = None                # the function of a named tool_choice
-    parallel: bool = False                  # "required": an array of one or more calls
-    parallel_tool_calls: bool | None = None # as the request gave it (None: OpenAI's default, true)
-    tagged: bool = False                    # the template writes calls as <tool_call> blocks (Hermes)
+
+    tools: list[dict[str, Any]]  # [{"type": "function", "function": {name, description?, parameters}}]
+    choice: str  # "none" | "auto" | "required" | "named"
+    named: str | None = None  # the function of a named tool_choice
+    parallel: bool = False  # "required": an array of one or more calls
+    parallel_tool_calls: bool | None = None  # as the request gave it (None: OpenAI's default, true)
+    tagged: bool = False  # the template writes calls as <tool_call> blocks (Hermes)
 
     @property
     def names(self) -> list[str]:
@@ -70,11 +72,22 @@ def tool_call_tags(plan: ToolPlan, at_least_one: bool = False) -> dict[str, Any]
     """The triggered-tags format of auto mode: free text, but once the model writes `<tool_call>`
     the call's JSON is held to one of the tools' schemas until `</tool_call>`; one call only when
     `parallel_tool_calls` is false."""
-    tags = [{"type": "tag", "begin": f'{TOOL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": ',
-             "content": {"type": "json_schema", "json_schema": plan.parameters(name)},
-             "end": f"}}\n{TOOL_CLOSE}"} for name in plan.names]
-    return {"type": "triggered_tags", "triggers": [TOOL_OPEN], "tags": tags, "at_least_one": at_least_one,
-            "stop_after_first": plan.parallel_tool_calls is False}
+    tags = [
+        {
+            "type": "tag",
+            "begin": f'{TOOL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": ',
+            "content": {"type": "json_schema", "json_schema": plan.parameters(name)},
+            "end": f"}}\n{TOOL_CLOSE}",
+        }
+        for name in plan.names
+    ]
+    return {
+        "type": "triggered_tags",
+        "triggers": [TOOL_OPEN],
+        "tags": tags,
+        "at_least_one": at_least_one,
+        "stop_after_first": plan.parallel_tool_calls is False,
+    }
 
 
 # --- tools ------------------------------------------------------------------------------------
@@ -96,11 +109,17 @@ def parse_tools(body: dict[str, Any]) -> ToolPlan | None:
         fn = choice.get("function")
         named = fn.get("name") if isinstance(fn, dict) else None
         if choice.get("type") != "function" or not isinstance(named, str):
-            raise ApiError(400, "tool_choice must be 'none', 'auto', 'required' or "
-                           "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+            raise ApiError(
+                400,
+                "tool_choice must be 'none', 'auto', 'required' or "
+                "{\"type\": \"function\", \"function\": {\"name\": ...}}",
+            )
         if named not in names:
-            raise ApiError(400, f"tool_choice names the function {named!r}, which is not in tools"
-                           + (f" ({', '.join(names)})" if names else ""))
+            raise ApiError(
+                400,
+                f"tool_choice names the function {named!r}, which is not in tools"
+                + (f" ({', '.join(names)})" if names else ""),
+            )
         choice = "named"
     elif choice not in TOOL_CHOICES:
         raise ApiError(400, f"tool_choice must be 'none', 'auto', 'required' or a function, got {choice!r}")
@@ -147,8 +166,14 @@ def tool_call_schema(plan: ToolPlan) -> dict[str, Any]:
     alts = []
     for i, name in enumerate(plan.names):
         args = _relocate(plan.parameters(name), f"{root}/{i}/properties/arguments", f"{name}__", defs)
-        alts.append({"type": "object", "properties": {"name": {"const": name}, "arguments": args},
-                     "required": ["name", "arguments"], "additionalProperties": False})
+        alts.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": args},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     schema: dict[str, Any] = {"anyOf": alts}
     if plan.parallel:
         schema = {"type": "array", "items": schema, "minItems": 1}
@@ -161,7 +186,7 @@ def _relocate(schema: dict[str, Any], base: str, prefix: str, defs: dict[str, An
     def ref(r: str) -> str:
         for head in ("#/$defs/", "#/definitions/"):
             if r.startswith(head):
-                return "#/$defs/" + prefix + r[len(head):]
+                return "#/$defs/" + prefix + r[len(head) :]
         return base + r[1:] if r.startswith("#") else r
 
     def walk(v: Any) -> Any:
@@ -180,7 +205,7 @@ def _relocate(schema: dict[str, Any], base: str, prefix: str, defs: dict[str, An
 
 def template_source(tokenizer: Any) -> str:
     tpl = getattr(tokenizer, "chat_template", None)
-    if isinstance(tpl, dict):   # named templates ("default", "tool_use", ...)
+    if isinstance(tpl, dict):  # named templates ("default", "tool_use", ...)
         return "\n".join(t for t in tpl.values() if isinstance(t, str))
     return tpl if isinstance(tpl, str) else ""
 
@@ -193,14 +218,17 @@ def _history_calls(calls: Any, i: int) -> list[dict[str, Any]]:
     for j, c in enumerate(calls):
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or c.get("type", "function") != "function":
-            raise ApiError(400, f"messages[{i}].tool_calls[{j}] must be {{\"type\": \"function\", \"id\", "
-                           "\"function\": {\"name\", \"arguments\"}}")
+            raise ApiError(
+                400,
+                f"messages[{i}].tool_calls[{j}] must be {{\"type\": \"function\", \"id\", "
+                "\"function\": {\"name\", \"arguments\"}}",
+            )
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
             except ValueError:
-                pass   # kept as the string the client sent
+                pass  # kept as the string the client sent
         elif not isinstance(args, dict):
             raise ApiError(400, f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON string")
         cid = c.get("id")
@@ -215,8 +243,18 @@ def _call_text(name: str, args: Any) -> str:
 
 
 # Variables a request may not set: render_chat passes these itself.
-_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "add_generation_prompt", "tokenize",
-                                       "return_dict", "continue_final_message", "chat_template"})
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        "tokenize",
+        "return_dict",
+        "continue_final_message",
+        "chat_template",
+    }
+)
 
 
 def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
@@ -232,8 +270,12 @@ def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
-def render_chat(tokenizer: Any, messages: Any, tools: list[dict[str, Any]] | None = None,
-                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+def render_chat(
+    tokenizer: Any,
+    messages: Any,
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
     """Messages -> prompt token ids through the tokenizer's chat template, with the generation
     prompt appended. The template supplies the special tokens, so none are added again.
     `template_kwargs` (a request's `chat_template_kwargs`, e.g. `enable_thinking`) are the
@@ -247,7 +289,7 @@ def render_chat(tokenizer: Any, messages: Any, tools: list[dict[str, Any]] | Non
     source = template_source(tokenizer)
     native_tools, native_calls = "tools" in source, "tool_calls" in source
     conv: list[dict[str, Any]] = []
-    call_names: dict[str, str] = {}   # tool_call_id -> function name, for the tool results
+    call_names: dict[str, str] = {}  # tool_call_id -> function name, for the tool results
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ApiError(400, f"messages[{i}] must be an object")
@@ -264,9 +306,20 @@ def render_chat(tokenizer: Any, messages: Any, tools: list[dict[str, Any]] | Non
         if calls:
             call_names.update({c["id"]: c["name"] for c in calls if c["id"]})
             if native_calls:
-                conv.append({"role": "assistant", "content": content, "tool_calls": [
-                    {**({"id": c["id"]} if c["id"] else {}), "type": "function",
-                     "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]})
+                conv.append(
+                    {
+                        "role": "assistant",
+                        "content": content,
+                        "tool_calls": [
+                            {
+                                **({"id": c["id"]} if c["id"] else {}),
+                                "type": "function",
+                                "function": {"name": c["name"], "arguments": c["arguments"]},
+                            }
+                            for c in calls
+                        ],
+                    }
+                )
             else:
                 text = "\n".join([content] * bool(content) + [_call_text(c["name"], c["arguments"]) for c in calls])
                 conv.append({"role": "assistant", "content": text})
@@ -276,9 +329,15 @@ def render_chat(tokenizer: Any, messages: Any, tools: list[dict[str, Any]] | Non
                 raise ApiError(400, f"messages[{i}].tool_call_id must be a string")
             name = m.get("name") if isinstance(m.get("name"), str) else call_names.get(tcid or "")
             if native_calls:
-                conv.append({"role": "tool", "content": content, **({"tool_call_id": tcid} if tcid else {}),
-                             **({"name": name} if name else {})})
-            else:   # consecutive results share one user turn, as Qwen's template does
+                conv.append(
+                    {
+                        "role": "tool",
+                        "content": content,
+                        **({"tool_call_id": tcid} if tcid else {}),
+                        **({"name": name} if name else {}),
+                    }
+                )
+            else:  # consecutive results share one user turn, as Qwen's template does
                 block = f"<tool_response>\n{content}\n</tool_response>"
                 if conv and conv[-1].get("_results"):
                     conv[-1]["content"] += "\n" + block
@@ -300,6 +359,6 @@ def render_chat(tokenizer: Any, messages: Any, tools: list[dict[str, Any]] | Non
                 conv.insert(0, {"role": "system", "content": block})
     try:
         text = tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False, **kwargs)
-    except Exception as e:   # jinja errors (e.g. roles out of order) are the caller's to fix
+    except Exception as e:  # jinja errors (e.g. roles out of order) are the caller's to fix
         raise ApiError(400, f"messages could not be rendered with the chat template: {e}") from None
     return tokenizer(text, add_special_tokens=False).input_ids

@@ -8,6 +8,7 @@ already opened the section, so the output is reasoning from its first token (a `
 writes again is dropped). Once open, everything up to `</think>` is reasoning, also when the
 answer is cut before it closes; the text after it is the content (whitespace around each trimmed).
 """
+
 from __future__ import annotations
 
 from ..server_args import REASONING_PARSERS
@@ -27,16 +28,16 @@ class ReasoningStream:
         if parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning parser must be one of {', '.join(REASONING_PARSERS)}, got {parser!r}")
         self.parser = parser
-        self.sent = 0   # characters of the reasoning sent
+        self.sent = 0  # characters of the reasoning sent
 
     def _body(self, text: str, final: bool) -> str | None:
         """The text after an opening `<think>`; None when this output has no reasoning section, or
         (not final) when it may still be starting one."""
         stripped = text.lstrip()
         if stripped.startswith(THINK_OPEN):
-            return stripped[len(THINK_OPEN):]
+            return stripped[len(THINK_OPEN) :]
         if not final and THINK_OPEN.startswith(stripped):
-            return None if self.parser == "qwen3" else ""   # may be the tag: wait for more text
+            return None if self.parser == "qwen3" else ""  # may be the tag: wait for more text
         return text if self.parser == "deepseek-r1" else None
 
     def update(self, text: str, final: bool = False) -> tuple[str, str | None]:
@@ -47,15 +48,15 @@ class ReasoningStream:
             stripped = text.lstrip()
             undecided = not final and self.parser == "qwen3" and THINK_OPEN.startswith(stripped)
             return "", (None if undecided else text)
-        body = body.lstrip()   # the reasoning without the whitespace around it, streamed or not
+        body = body.lstrip()  # the reasoning without the whitespace around it, streamed or not
         end = body.find(THINK_CLOSE)
         if end >= 0:
-            reasoning, content = body[:end].rstrip(), body[end + len(THINK_CLOSE):].lstrip()
+            reasoning, content = body[:end].rstrip(), body[end + len(THINK_CLOSE) :].lstrip()
         elif final:
             reasoning, content = body.rstrip(), None
         else:
-            reasoning, content = body[:len(body) - _partial_suffix(body, THINK_CLOSE)].rstrip(), None
-        delta = reasoning[self.sent:]
+            reasoning, content = body[: len(body) - _partial_suffix(body, THINK_CLOSE)].rstrip(), None
+        delta = reasoning[self.sent :]
         self.sent = max(self.sent, len(reasoning))
         return delta, content
 

@@ -5,6 +5,7 @@ chat template, sampling, response formats, tool-call constraints and parsing).
 Responses are kept in memory for `previous_response_id` (the last STORED_RESPONSES of them, unless
 a request says `store: false`); a follow-up request continues that conversation: its input, and
 the function calls it made, before the new input."""
+
 from __future__ import annotations
 
 import collections
@@ -23,7 +24,7 @@ from .openai_response import chat_message, finish_reason
 from .openai_stream import StreamShaper
 from .server_state import ServerState
 
-STORED_RESPONSES = 1024      # previous_response_id looks back this many responses (oldest dropped first)
+STORED_RESPONSES = 1024  # previous_response_id looks back this many responses (oldest dropped first)
 
 
 class ResponseStore:
@@ -52,8 +53,11 @@ def _text(content: Any, where: str) -> str:
     if isinstance(content, list):
         parts = []
         for i, p in enumerate(content):
-            if not (isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
-                    and isinstance(p.get("text"), str)):
+            if not (
+                isinstance(p, dict)
+                and p.get("type") in ("input_text", "output_text", "text")
+                and isinstance(p.get("text"), str)
+            ):
                 kind = p.get("type") if isinstance(p, dict) else type(p).__name__
                 raise ApiError(400, f"{where}.{i}: content part type {kind!r} is not supported (text only)")
             parts.append(p["text"])
@@ -73,21 +77,30 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
         if kind == "message" and item.get("role") in ("user", "assistant", "system", "developer"):
             out.append({"role": item["role"], "content": _text(item.get("content"), f"input.{i}.content")})
         elif kind == "function_call" and isinstance(item.get("name"), str):
-            call = {"id": str(item.get("call_id") or ""), "type": "function",
-                    "function": {"name": item["name"], "arguments": str(item.get("arguments") or "{}")}}
+            call = {
+                "id": str(item.get("call_id") or ""),
+                "type": "function",
+                "function": {"name": item["name"], "arguments": str(item.get("arguments") or "{}")},
+            }
             if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
-                out[-1]["tool_calls"].append(call)        # parallel calls: one assistant turn
+                out[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
-            out.append({"role": "tool", "tool_call_id": str(item.get("call_id") or ""),
-                        "content": output if isinstance(output, str) else json.dumps(output)})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": str(item.get("call_id") or ""),
+                    "content": output if isinstance(output, str) else json.dumps(output),
+                }
+            )
         elif kind == "reasoning":
             continue
         else:
-            raise ApiError(400, f"input.{i}: item type {kind!r} is not supported "
-                                "(message, function_call, function_call_output)")
+            raise ApiError(
+                400, f"input.{i}: item type {kind!r} is not supported (message, function_call, function_call_output)"
+            )
     return out
 
 
@@ -121,8 +134,10 @@ def to_chat(body: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, An
         chat["max_tokens"] = body["max_output_tokens"]
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
-        chat["response_format"] = {"type": "json_schema", "json_schema": {
-            k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
+        chat["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt},
+        }
     elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
         chat["response_format"] = {"type": "json_object"}
     elif fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
@@ -140,20 +155,34 @@ def to_chat(body: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, An
 # --- response --------------------------------------------------------------------------------------
 def _usage(result: dict[str, Any]) -> dict[str, Any]:
     meta = result["meta_info"]
-    return {"input_tokens": meta["prompt_tokens"], "input_tokens_details": {"cached_tokens": meta["cached_tokens"]},
-            "output_tokens": meta["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": meta["prompt_tokens"] + meta["completion_tokens"]}
+    return {
+        "input_tokens": meta["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": meta["cached_tokens"]},
+        "output_tokens": meta["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": meta["prompt_tokens"] + meta["completion_tokens"],
+    }
 
 
 def _text_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}] if text or status == "completed"
-            else []}
+    return {
+        "type": "message",
+        "id": item_id,
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": []}] if text or status == "completed" else [],
+    }
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
-    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
-            "status": status}
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
 
 
 class ResponseBuilder:
@@ -169,23 +198,41 @@ class ResponseBuilder:
     def object(self, status: str, output: list[dict[str, Any]], result: dict[str, Any] | None) -> dict[str, Any]:
         b = self.body
         length = result is not None and (result["meta_info"].get("finish_reason") or {}).get("type") == "length"
-        return {"id": self.id, "object": "response", "created_at": self.created,
-                "status": "incomplete" if length else status, "model": self.model, "output": output,
-                "error": None, "incomplete_details": {"reason": "max_output_tokens"} if length else None,
-                "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
-                "temperature": b.get("temperature"), "top_p": b.get("top_p"),
-                "parallel_tool_calls": b.get("parallel_tool_calls", True),
-                "previous_response_id": b.get("previous_response_id"), "store": b.get("store", True),
-                "text": b.get("text") or {"format": {"type": "text"}}, "tool_choice": b.get("tool_choice", "auto"),
-                "tools": b.get("tools") or [], "metadata": b.get("metadata") or {},
-                "usage": _usage(result) if result is not None else None}
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": "incomplete" if length else status,
+            "model": self.model,
+            "output": output,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if length else None,
+            "instructions": b.get("instructions"),
+            "max_output_tokens": b.get("max_output_tokens"),
+            "temperature": b.get("temperature"),
+            "top_p": b.get("top_p"),
+            "parallel_tool_calls": b.get("parallel_tool_calls", True),
+            "previous_response_id": b.get("previous_response_id"),
+            "store": b.get("store", True),
+            "text": b.get("text") or {"format": {"type": "text"}},
+            "tool_choice": b.get("tool_choice", "auto"),
+            "tools": b.get("tools") or [],
+            "metadata": b.get("metadata") or {},
+            "usage": _usage(result) if result is not None else None,
+        }
 
     def conversation(self, output: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The chat messages of this exchange, its output as the assistant's turn (for the store)."""
         text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
-        calls = [{"id": item["call_id"], "type": "function",
-                  "function": {"name": item["name"], "arguments": item["arguments"]}}
-                 for item in output if item["type"] == "function_call"]
+        calls = [
+            {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
+            for item in output
+            if item["type"] == "function_call"
+        ]
         turn: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
         if calls:
             turn["tool_calls"] = calls
@@ -199,8 +246,9 @@ def output_items(req: OpenAIRequest, result: dict[str, Any]) -> list[dict[str, A
     if msg.get("content"):
         out.append(_text_item("msg_" + uuid.uuid4().hex, msg["content"]))
     for call in msg.get("tool_calls") or []:
-        out.append(_call_item("fc_" + uuid.uuid4().hex, call["id"], call["function"]["name"],
-                              call["function"]["arguments"]))
+        out.append(
+            _call_item("fc_" + uuid.uuid4().hex, call["id"], call["function"]["name"], call["function"]["arguments"])
+        )
     return out
 
 
@@ -219,8 +267,8 @@ class ResponseStream:
         self.builder = builder
         self.store = store
         self.seq = 0
-        self.output: list[dict[str, Any]] = []     # finished items
-        self.open: dict[str, Any] | None = None    # the item being written
+        self.output: list[dict[str, Any]] = []  # finished items
+        self.open: dict[str, Any] | None = None  # the item being written
 
     def _e(self, kind: str, **data: Any) -> str:
         self.seq += 1
@@ -242,14 +290,20 @@ class ResponseStream:
             text = item["text"]
             done = _text_item(item["id"], text)
             part = done["content"][0]
-            out += [self._e("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
-                            text=text),
-                    self._e("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
-                            part=part)]
+            out += [
+                self._e("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0, text=text),
+                self._e("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part),
+            ]
         else:
             done = _call_item(item["id"], item["call_id"], item["name"], item["arguments"])
-            out.append(self._e("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
-                               arguments=item["arguments"]))
+            out.append(
+                self._e(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=idx,
+                    arguments=item["arguments"],
+                )
+            )
         out.append(self._e("response.output_item.done", output_index=idx, item=done))
         self.output.append(done)
         return out
@@ -258,17 +312,35 @@ class ResponseStream:
         out = self._close()
         self.open = {"type": "message", "id": "msg_" + uuid.uuid4().hex, "text": ""}
         idx = self._index()
-        return out + [self._e("response.output_item.added", output_index=idx,
-                              item=_text_item(self.open["id"], "", "in_progress")),
-                      self._e("response.content_part.added", item_id=self.open["id"], output_index=idx,
-                              content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
+        return out + [
+            self._e(
+                "response.output_item.added", output_index=idx, item=_text_item(self.open["id"], "", "in_progress")
+            ),
+            self._e(
+                "response.content_part.added",
+                item_id=self.open["id"],
+                output_index=idx,
+                content_index=0,
+                part={"type": "output_text", "text": "", "annotations": []},
+            ),
+        ]
 
     def _open_call(self, call_id: str, name: str) -> list[str]:
         out = self._close()
-        self.open = {"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": call_id, "name": name,
-                     "arguments": ""}
-        return out + [self._e("response.output_item.added", output_index=self._index(),
-                              item=_call_item(self.open["id"], call_id, name, "", "in_progress"))]
+        self.open = {
+            "type": "function_call",
+            "id": "fc_" + uuid.uuid4().hex,
+            "call_id": call_id,
+            "name": name,
+            "arguments": "",
+        }
+        return out + [
+            self._e(
+                "response.output_item.added",
+                output_index=self._index(),
+                item=_call_item(self.open["id"], call_id, name, "", "in_progress"),
+            )
+        ]
 
     def update(self, result: dict[str, Any]) -> list[str]:
         """Events for one new cumulative result."""
@@ -278,21 +350,37 @@ class ResponseStream:
                 if self.open is None or self.open["type"] != "message":
                     out += self._open_text()
                 self.open["text"] += value
-                out.append(self._e("response.output_text.delta", item_id=self.open["id"], output_index=self._index(),
-                                   content_index=0, delta=value))
+                out.append(
+                    self._e(
+                        "response.output_text.delta",
+                        item_id=self.open["id"],
+                        output_index=self._index(),
+                        content_index=0,
+                        delta=value,
+                    )
+                )
             elif kind == "call":
                 out += self._open_call(*value)
             elif kind == "arguments":
                 self.open["arguments"] += value
-                out.append(self._e("response.function_call_arguments.delta", item_id=self.open["id"],
-                                   output_index=self._index(), delta=value))
+                out.append(
+                    self._e(
+                        "response.function_call_arguments.delta",
+                        item_id=self.open["id"],
+                        output_index=self._index(),
+                        delta=value,
+                    )
+                )
             else:
                 out += self._close()
                 obj = self.builder.object("completed", self.output, result)
                 if self.store is not None:
                     self.store.put(obj, self.builder.conversation(self.output))
-                out.append(self._e("response.completed" if obj["status"] == "completed" else "response.incomplete",
-                                   response=obj))
+                out.append(
+                    self._e(
+                        "response.completed" if obj["status"] == "completed" else "response.incomplete", response=obj
+                    )
+                )
         return out
 
 
@@ -309,9 +397,17 @@ async def _create(state: ServerState, store: ResponseStore, request: Request) ->
     keep = store if body.get("store", True) is not False else None
     if req.stream:
         shaper = ResponseStream(state, req, builder, keep)
-        return await chat_adapter.stream(state, request, req, "responses", shaper.start(), shaper.update,
-                                         lambda e: _event({"type": "error", "code": e.code, "message": e.message,
-                                                           "param": None, "sequence_number": shaper.seq}))
+        return await chat_adapter.stream(
+            state,
+            request,
+            req,
+            "responses",
+            shaper.start(),
+            shaper.update,
+            lambda e: _event(
+                {"type": "error", "code": e.code, "message": e.message, "param": None, "sequence_number": shaper.seq}
+            ),
+        )
     result = await chat_adapter.complete(state, request, req, "responses")
     output = output_items(req, result)
     obj = builder.object("completed", output, result)

@@ -2,6 +2,7 @@
 flight, limits, metrics, the engine calls with deadline and disconnect watch), the `Hold` of one
 admitted request, and `EventStream`, an SSE response that always releases its request.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,8 @@ from .metrics import ServerMetrics
 logger = logging.getLogger("plait.http")
 
 
-MAX_SEQS_PER_REQUEST = 1024      # prompts x n of one request
-LOGGED_BODY_CHARS = 2000         # --log-requests: a request body is cut to this length
+MAX_SEQS_PER_REQUEST = 1024  # prompts x n of one request
+LOGGED_BODY_CHARS = 2000  # --log-requests: a request body is cut to this length
 
 
 # --- per-request bookkeeping ------------------------------------------------------------------
@@ -56,7 +57,7 @@ class Hold:
         self.state.in_flight -= 1
         for rid in self.rids:
             if rid not in self.done:
-                with contextlib.suppress(Exception):   # e.g. an engine already shut down
+                with contextlib.suppress(Exception):  # e.g. an engine already shut down
                     self.state.engine.abort(rid)
             self.state.active.pop(rid, None)
             self.state.user_aborted.discard(rid)
@@ -78,19 +79,25 @@ async def _wait_disconnect(request: Request) -> None:
 class ServerState:
     """What the route handlers share: the engine, names, the request bound, limits, metrics."""
 
-    def __init__(self, engine: Any, served_model_name: str, max_queued_requests: int,
-                 request_timeout: float | None = None, log_requests: bool = False):
+    def __init__(
+        self,
+        engine: Any,
+        served_model_name: str,
+        max_queued_requests: int,
+        request_timeout: float | None = None,
+        log_requests: bool = False,
+    ):
         self.engine = engine
         self.served_model_name = served_model_name
         self.model_path = str(engine.args.model)
         self.max_queued_requests = max_queued_requests
         self.request_timeout = request_timeout
         self.log_requests = log_requests
-        self.draining = False                   # shutting down: new generate requests get 503
+        self.draining = False  # shutting down: new generate requests get 503
         self.in_flight = 0
-        self.active: dict[str, Hold] = {}       # engine rid -> its request
+        self.active: dict[str, Hold] = {}  # engine rid -> its request
         self.aliases: dict[str, list[str]] = {}  # a client-visible id -> its engine rids (n copies)
-        self.user_aborted: set[str] = set()     # rids aborted on purpose: their result is not an error
+        self.user_aborted: set[str] = set()  # rids aborted on purpose: their result is not an error
         self.metrics = ServerMetrics()
         # Read once: the context length bounds OpenAI's default max_tokens.
         self.context_len: int | None = engine.get_server_info().get("context_length")
@@ -108,8 +115,11 @@ class ServerState:
         if not isinstance(model, str):
             raise ApiError(400, f"model must be a string, got {type(model).__name__}")
         if model not in self.model_names:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
-                           f"{self.served_model_name!r}", code="model_not_found")
+            raise ApiError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
+                code="model_not_found",
+            )
 
     def admit(self, rids: list[str], aliases: dict[str, list[str]] | None = None) -> Hold:
         """Take a place for a generate request, or 503 with Retry-After past the bound (or while
@@ -122,12 +132,16 @@ class ServerState:
         if failure is not None:
             raise ApiError(503, f"the engine cannot serve: {failure}", headers=retry)
         if len(rids) > MAX_SEQS_PER_REQUEST:
-            raise ApiError(400, f"a request may ask for at most {MAX_SEQS_PER_REQUEST} sequences (prompts x n), "
-                           f"got {len(rids)}")
+            raise ApiError(
+                400, f"a request may ask for at most {MAX_SEQS_PER_REQUEST} sequences (prompts x n), got {len(rids)}"
+            )
         if self.in_flight >= self.max_queued_requests:
-            raise ApiError(503, f"the server is at its limit of {self.max_queued_requests} requests in "
-                           "flight; retry later", code="server_overloaded",
-                           headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise ApiError(
+                503,
+                f"the server is at its limit of {self.max_queued_requests} requests in flight; retry later",
+                code="server_overloaded",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         aliases = aliases or {}
         for rid in [*rids, *aliases]:
             if rid in self.active or rid in self.aliases:
@@ -146,7 +160,7 @@ class ServerState:
             self.user_aborted.add(r)
             self.engine.abort(r)
         if not rids:
-            self.engine.abort(rid)   # may not have reached the server's books; harmless if unknown
+            self.engine.abort(rid)  # may not have reached the server's books; harmless if unknown
         return bool(rids)
 
     def check_result(self, result: dict[str, Any]) -> None:
@@ -164,8 +178,11 @@ class ServerState:
 
     def timeout_error(self) -> ApiError:
         """The error of a request past --request-timeout."""
-        return ApiError(504, f"the request took longer than the server's limit of {self.request_timeout:g} s "
-                        "and was aborted", code="request_timeout")
+        return ApiError(
+            504,
+            f"the request took longer than the server's limit of {self.request_timeout:g} s and was aborted",
+            code="request_timeout",
+        )
 
     async def next_result(self, hold: Hold, it: AsyncIterator[Any]) -> Any:
         """`it.__anext__()` within the request's deadline (504 past it)."""
@@ -231,17 +248,24 @@ class ServerState:
     async def server_info(self) -> dict[str, Any]:
         """engine.get_server_info() (off the event loop) plus the server's own state."""
         from plait import __version__
+
         info = await asyncio.to_thread(self.engine.get_server_info)
-        if "max_total_num_tokens" in info:   # held by running requests: neither free nor cached
-            info["kv_slots_in_use"] = info["max_total_num_tokens"] - info.get("free_slots", 0) - \
-                info.get("cache_size", 0)
-        for name in ("scheduler_pid", "detokenizer_pid"):   # for operators (and fault-injection tests)
+        if "max_total_num_tokens" in info:  # held by running requests: neither free nor cached
+            info["kv_slots_in_use"] = (
+                info["max_total_num_tokens"] - info.get("free_slots", 0) - info.get("cache_size", 0)
+            )
+        for name in ("scheduler_pid", "detokenizer_pid"):  # for operators (and fault-injection tests)
             pid = getattr(self.engine, name, None)
             if isinstance(pid, int):
                 info[name] = pid
-        return {**info, "version": __version__, "served_model_name": self.served_model_name,
-                "model_path": self.model_path, "max_queued_requests": self.max_queued_requests,
-                "num_http_in_flight": self.in_flight}
+        return {
+            **info,
+            "version": __version__,
+            "served_model_name": self.served_model_name,
+            "model_path": self.model_path,
+            "max_queued_requests": self.max_queued_requests,
+            "num_http_in_flight": self.in_flight,
+        }
 
 
 class EventStream(StreamingResponse):

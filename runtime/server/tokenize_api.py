@@ -1,6 +1,7 @@
 """/tokenize and /detokenize, in vLLM's request and response shapes (llama.cpp's server has the
 same pair): a client counts or inspects tokens with the served model's own tokenizer and chat
 template, without generating."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -24,6 +25,7 @@ def tokenize(state: ServerState, body: dict[str, Any]) -> dict[str, Any]:
     chat template, generation prompt appended) -> {"count", "max_model_len", "tokens"} and, with
     `return_token_strs`, "token_strs"."""
     from .openai_tools import render_chat, template_kwargs
+
     tokenizer = state.engine.tokenizer
     if ("prompt" in body) == ("messages" in body):
         raise ApiError(400, "give exactly one of prompt (a string) or messages (a chat)")

@@ -1,6 +1,7 @@
 """Reading tool calls back out of generated text: whole (`parse_tool_calls`, `forced_calls`) or
 as it streams (`ToolStream`, which sends a call held by a grammar as OpenAI does).
 """
+
 from __future__ import annotations
 
 import json
@@ -41,7 +42,7 @@ def _calls_in_json(text: str, names: list[str]) -> list[dict[str, str]] | None:
         return None
     items = value if isinstance(value, list) else [value]
     calls = [_call_from(v, names) for v in items]
-    return calls if calls and all(calls) else None   # type: ignore[return-value]
+    return calls if calls and all(calls) else None  # type: ignore[return-value]
 
 
 def parse_tool_calls(text: str, names: list[str]) -> tuple[str | None, list[dict[str, str]]]:
@@ -74,14 +75,16 @@ def forced_calls(plan: ToolPlan, text: str) -> list[dict[str, str]] | None:
     if plan.choice == "named":
         if not isinstance(value, dict):
             return None
-        return [{"name": plan.named, "arguments": text.strip()}]   # as streamed
+        return [{"name": plan.named, "arguments": text.strip()}]  # as streamed
     return _calls_in_json(text, plan.names)
 
 
 def tool_call_objects(calls: list[dict[str, str]]) -> list[dict[str, Any]]:
     """OpenAI `message.tool_calls`."""
-    return [{"id": new_call_id(), "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-            for c in calls]
+    return [
+        {"id": new_call_id(), "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+        for c in calls
+    ]
 
 
 _JSON = json.JSONDecoder()
@@ -98,7 +101,7 @@ def call_pieces(text: str, start: int = 0) -> list[tuple[str, int, int | None]]:
         args_at = m.end()
         try:
             end = _JSON.raw_decode(text, args_at)[1]
-        except ValueError:   # still being written
+        except ValueError:  # still being written
             end = None
         out.append((name, args_at, end))
         if end is None:
@@ -117,10 +120,10 @@ class ToolStream:
 
     def __init__(self, plan: ToolPlan):
         self.plan = plan
-        self.emitted = 0            # characters of the text already sent as content (or named arguments)
-        self.calls_at: int | None = None   # where call syntax starts in the text (held from there)
+        self.emitted = 0  # characters of the text already sent as content (or named arguments)
+        self.calls_at: int | None = None  # where call syntax starts in the text (held from there)
         self.call_id = new_call_id()
-        self.sent: list[int] = []   # per call streamed so far: characters of its arguments sent
+        self.sent: list[int] = []  # per call streamed so far: characters of its arguments sent
         self.live = plan.choice == "required" or (plan.choice == "auto" and plan.tagged)
 
     def update(self, text: str) -> list[dict[str, Any]]:
@@ -154,7 +157,7 @@ class ToolStream:
             complete = reason == "stop" and forced_calls(self.plan, text) is not None
             return deltas, ("tool_calls" if complete else reason)
         if self.calls_at is not None:
-            content, calls = parse_tool_calls(text[self.calls_at:], self.plan.names)
+            content, calls = parse_tool_calls(text[self.calls_at :], self.plan.names)
             if self.live and self.sent:
                 return self._stream_calls(text, self.calls_at), ("tool_calls" if calls else reason)
             if calls:
@@ -168,28 +171,42 @@ class ToolStream:
         for k, (name, at, end) in enumerate(call_pieces(text, start)):
             if k == len(self.sent):
                 self.sent.append(0)
-                out.append({"tool_calls": [{"index": k, "id": new_call_id(), "type": "function",
-                                            "function": {"name": name, "arguments": ""}}]})
+                out.append(
+                    {
+                        "tool_calls": [
+                            {
+                                "index": k,
+                                "id": new_call_id(),
+                                "type": "function",
+                                "function": {"name": name, "arguments": ""},
+                            }
+                        ]
+                    }
+                )
             stop = end if end is not None else len(text)
-            piece = text[at + self.sent[k]:stop] if stop > at + self.sent[k] else ""
+            piece = text[at + self.sent[k] : stop] if stop > at + self.sent[k] else ""
             if piece:
                 self.sent[k] += len(piece)
                 out.append({"tool_calls": [{"index": k, "function": {"arguments": piece}}]})
         return out
 
     def _content(self, text: str, upto: int) -> list[dict[str, Any]]:
-        piece = text[self.emitted:upto]
+        piece = text[self.emitted : upto]
         self.emitted = max(self.emitted, upto)
         return [{"content": piece}] if piece else []
 
     def _named(self, text: str) -> list[dict[str, Any]]:
-        piece = text[self.emitted:]
+        piece = text[self.emitted :]
         if not piece:
             return []
         call: dict[str, Any] = {"index": 0, "function": {"arguments": piece}}
         if self.emitted == 0:
-            call = {"index": 0, "id": self.call_id, "type": "function",
-                    "function": {"name": self.plan.named, "arguments": piece}}
+            call = {
+                "index": 0,
+                "id": self.call_id,
+                "type": "function",
+                "function": {"name": self.plan.named, "arguments": piece},
+            }
         self.emitted = len(text)
         return [{"tool_calls": [call]}]
 

@@ -14,6 +14,7 @@ forward costs a fair part of a target forward (SmolLM2 int4 drafting for float32
 that are rejected (sampled requests, where a greedy draft is kept with probability p(draft)) make a
 request slower than no speculation at all.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,17 +42,17 @@ class _DraftState:
     def __init__(self, row: int, max_k: int):
         self.row = row
         self.ids: list[int] = []
-        self.used = 0          # proposal round of the last use (least recently used is evicted first)
+        self.used = 0  # proposal round of the last use (least recently used is evicted first)
         self.length = DraftLength(max_k)
-        self.drafts: list[int] = []   # the last proposal, not yet compared with what was kept ...
-        self.base = 0                 # ... which followed the first `base` committed tokens
+        self.drafts: list[int] = []  # the last proposal, not yet compared with what was kept ...
+        self.base = 0  # ... which followed the first `base` committed tokens
 
     def observe(self, ids: list[int]) -> None:
         """Adapt the draft length to how many of the last drafts the committed `ids` kept."""
         if not self.drafts:
             return
         n = len(self.drafts)
-        self.length.record(n, len(os.path.commonprefix([self.drafts, ids[self.base:self.base + n]])))
+        self.length.record(n, len(os.path.commonprefix([self.drafts, ids[self.base : self.base + n]])))
         self.drafts = []
 
 
@@ -61,17 +62,27 @@ class DraftModel:
     def __init__(self, args: ServerArgs, target: ModelRunner):
         name = args.speculative_draft_model
         path = resolve_model(name)
-        check_vocab_size(name, load_config(path).vocab_size, target.vocab_size)   # before loading weights
+        check_vocab_size(name, load_config(path).vocab_size, target.vocab_size)  # before loading weights
         if args.speculative_draft_quantization is not None:
             from ..layers.quantization import QUANTIZATIONS
+
             if args.speculative_draft_quantization not in QUANTIZATIONS:
-                raise ValueError(f"speculative_draft_quantization must be one of {', '.join(QUANTIZATIONS)}, "
-                                 f"got {args.speculative_draft_quantization!r}")
+                raise ValueError(
+                    f"speculative_draft_quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                    f"got {args.speculative_draft_quantization!r}"
+                )
         # The draft keeps its own position limit (RoPE tables); drafting stops at the smaller one.
         draft_args = dataclasses.replace(
-            args, model=path, revision=None, quantization=args.speculative_draft_quantization,
-            max_total_tokens=args.speculative_draft_max_tokens, context_length=None,
-            speculative_algorithm=None, speculative_draft_model=None, speculative_draft_quantization=None)
+            args,
+            model=path,
+            revision=None,
+            quantization=args.speculative_draft_quantization,
+            max_total_tokens=args.speculative_draft_max_tokens,
+            context_length=None,
+            speculative_algorithm=None,
+            speculative_draft_model=None,
+            speculative_draft_quantization=None,
+        )
         self.runner = ModelRunner(draft_args)
         check_same_tokens(name, self.runner.tokenizer, target.tokenizer)
         self.context_len = min(self.runner.context_len, target.context_len)
@@ -92,12 +103,12 @@ class DraftModel:
         """Free the request's draft KV and row (finished, aborted or retracted); no-op if none."""
         st = self.states.pop(rid, None)
         if st is not None:
-            self.allocator.free(self.table.table[st.row, :len(st.ids)].clone())
+            self.allocator.free(self.table.table[st.row, : len(st.ids)].clone())
             self.table.free(st.row)
 
     def _truncate(self, st: _DraftState, keep: int) -> None:
         if keep < len(st.ids):
-            self.allocator.free(self.table.table[st.row, keep:len(st.ids)].clone())
+            self.allocator.free(self.table.table[st.row, keep : len(st.ids)].clone())
             del st.ids[keep:]
 
     def _make_room(self, n: int, busy: set[str]) -> bool:
@@ -130,13 +141,13 @@ class DraftModel:
         self._round += 1
         busy = {rid for rid, _, _ in requests}
         out: list[list[int]] = [[] for _ in requests]
-        live: list[tuple[int, _DraftState, list[int], int]] = []   # (index, state, ids, k)
+        live: list[tuple[int, _DraftState, list[int], int]] = []  # (index, state, ids, k)
         for i, (rid, ids, k) in enumerate(requests):
             st = self.states.get(rid)
             if st is not None:
                 st.used = self._round
                 st.observe(ids)
-                if (own := st.length.take()) == 0:   # pausing
+                if (own := st.length.take()) == 0:  # pausing
                     continue
                 k = min(k, own)
             # the last draft's position must be < context_len
@@ -150,20 +161,20 @@ class DraftModel:
             live.append((i, st, ids, k))
         placed = []
         for i, st, ids, k in live:
-            need = len(ids) - len(st.ids) + k - 1     # the missing tokens, then drafts 1..k-1
+            need = len(ids) - len(st.ids) + k - 1  # the missing tokens, then drafts 1..k-1
             if not self._make_room(need, busy):
                 self.release(requests[i][0])
                 continue
-            self.table.table[st.row, len(st.ids):len(st.ids) + need] = self.allocator.alloc(need)
+            self.table.table[st.row, len(st.ids) : len(st.ids) + need] = self.allocator.alloc(need)
             placed.append((i, st, ids, k))
         if not placed:
             return out
         # Draft 1: extend each cache by what it lacks (longest first: single-token extends must
         # come last in a ForwardBatch).
         placed.sort(key=lambda x: len(x[1].ids) - len(x[2]))
-        first = self._forward([(st, ids[len(st.ids):]) for _, st, ids, _ in placed])
+        first = self._forward([(st, ids[len(st.ids) :]) for _, st, ids, _ in placed])
         for (i, st, ids, _), tok in zip(placed, first):
-            st.ids[len(st.ids):] = ids[len(st.ids):]
+            st.ids[len(st.ids) :] = ids[len(st.ids) :]
             out[i].append(tok)
         # Drafts 2..k: one token per request per forward, while a request still wants more.
         for step in range(1, max(k for *_, k in placed)):
@@ -187,21 +198,26 @@ class DraftModel:
             prefix.append(len(st.ids))
             extend.append(len(new))
             logits_index.append(len(input_ids) - 1)
-        locs = torch.cat([table[st.row, len(st.ids):len(st.ids) + len(new)] for st, new in items])
-        batch = ForwardBatch.build(input_ids, rows, prefix, extend, locs, table, logits_index,
-                                   device=self.runner.device)
+        locs = torch.cat([table[st.row, len(st.ids) : len(st.ids) + len(new)] for st, new in items])
+        batch = ForwardBatch.build(
+            input_ids, rows, prefix, extend, locs, table, logits_index, device=self.runner.device
+        )
         return self.runner.forward(batch).argmax(dim=-1).tolist()
 
 
 def check_vocab_size(name: str, draft_size: int, target_size: int) -> None:
     """A ValueError unless the draft model's vocabulary has the target's size."""
     if draft_size != target_size:
-        raise ValueError(f"draft model {name!r} has a vocabulary of {draft_size} tokens, the target model "
-                         f"{target_size}: the draft model must use the target's tokenizer")
+        raise ValueError(
+            f"draft model {name!r} has a vocabulary of {draft_size} tokens, the target model "
+            f"{target_size}: the draft model must use the target's tokenizer"
+        )
 
 
 def check_same_tokens(name: str, tokenizer, target_tokenizer) -> None:
     """A ValueError unless both tokenizers map the same strings to the same ids."""
     if tokenizer.get_vocab() != target_tokenizer.get_vocab():
-        raise ValueError(f"draft model {name!r} has a different tokenizer than the target model (same size, "
-                         f"different tokens): the draft model must use the target's tokenizer")
+        raise ValueError(
+            f"draft model {name!r} has a different tokenizer than the target model (same size, "
+            f"different tokens): the draft model must use the target's tokenizer"
+        )

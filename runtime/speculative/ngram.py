@@ -16,6 +16,7 @@ and without speculation (greedy is the special case argmax). Nothing of this dep
 draft comes from: the draft model's greedy proposals (plait.runtime.speculative.draft_model) are verified
 the same way.
 """
+
 from __future__ import annotations
 
 
@@ -30,14 +31,14 @@ class NgramIndex:
         self.min_match = min_match
         self.max_match = max_match
         self._last: dict[tuple[int, ...], int] = {}
-        self._done = 0          # n-grams ending before this position are indexed
+        self._done = 0  # n-grams ending before this position are indexed
 
     def _extend(self, ids: list[int], end: int) -> None:
         """Index the n-grams that end at positions [self._done, end)."""
         last, lo, hi = self._last, self.min_match, self.max_match
         for p in range(self._done, end):
             for n in range(lo, min(hi, p + 1) + 1):
-                last[tuple(ids[p - n + 1:p + 1])] = p + 1
+                last[tuple(ids[p - n + 1 : p + 1])] = p + 1
         self._done = max(self._done, end)
 
     def propose(self, ids: list[int], k: int) -> list[int]:
@@ -46,19 +47,19 @@ class NgramIndex:
         L = len(ids)
         if k <= 0 or L < self.min_match + 1:
             return []
-        if L - 1 < self._done:            # the sequence shrank below what was indexed: start over
+        if L - 1 < self._done:  # the sequence shrank below what was indexed: start over
             self._last.clear()
             self._done = 0
         # Everything but the final n-gram: a match must have at least one token after it.
         self._extend(ids, L - 1)
         for n in range(min(self.max_match, L - 1), self.min_match - 1, -1):
-            start = self._last.get(tuple(ids[L - n:]))
+            start = self._last.get(tuple(ids[L - n :]))
             if start is not None:
-                return ids[start:start + k]
+                return ids[start : start + k]
         return []
 
 
-MAX_PAUSE = 16     # rounds a request whose drafts keep failing waits before drafting again
+MAX_PAUSE = 16  # rounds a request whose drafts keep failing waits before drafting again
 
 
 class DraftLength:
@@ -75,10 +76,10 @@ class DraftLength:
     __slots__ = ("k", "max_k", "misses", "pause", "shrink")
 
     def __init__(self, max_k: int, shrink: bool = True):
-        self.k = self.max_k = max_k   # drafts to propose next
+        self.k = self.max_k = max_k  # drafts to propose next
         self.shrink = shrink
-        self.misses = 0               # consecutive rounds with no draft kept
-        self.pause = 0                # rounds left without drafting
+        self.misses = 0  # consecutive rounds with no draft kept
+        self.pause = 0  # rounds left without drafting
 
     def record(self, proposed: int, kept: int) -> None:
         """Adapt to a verified round: `kept` of `proposed` drafts were kept."""

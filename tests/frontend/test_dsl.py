@@ -1,6 +1,7 @@
 """The DSL (plait.frontend): mechanics on the in-process Engine over the tiny random Llama (real
 SmolLM2 tokenizer and chat template), concurrency on a fake slow backend, and integration tests on
 the real default model behind a real HTTP server (uvicorn in a thread, as in test_http_server.py)."""
+
 from __future__ import annotations
 
 import json
@@ -25,16 +26,13 @@ GREEDY = {"temperature": 0}
 # --- fixtures ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dirs):
-    with plait.Engine(model=tiny_model_dirs["llama"], dtype="float32", max_total_tokens=8192,
-                      random_seed=0) as eng:
+    with plait.Engine(model=tiny_model_dirs["llama"], dtype="float32", max_total_tokens=8192, random_seed=0) as eng:
         yield eng
 
 
 @pytest.fixture(scope="module")
 def be(tiny):
     return plait.EngineBackend(tiny)
-
-
 
 
 # --- mechanics on the tiny model -------------------------------------------------------------------
@@ -64,9 +62,16 @@ def test_gen_max_tokens_and_stop_match_native(tiny, be):
 
 
 def test_regex_dtype_and_json_schema(be):
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "string", "pattern": "^[0-9]{2}$"},
-                                               "c": {"enum": ["red", "green"]}},
-              "required": ["ok", "n", "c"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "ok": {"type": "boolean"},
+            "n": {"type": "string", "pattern": "^[0-9]{2}$"},
+            "c": {"enum": ["red", "green"]},
+        },
+        "required": ["ok", "n", "c"],
+        "additionalProperties": False,
+    }
 
     class Item(pydantic.BaseModel):
         color: Literal["red", "blue"]
@@ -115,10 +120,12 @@ def test_select_scores_and_methods(tiny, be):
     for method in ("greedy_token", "unconditional_likelihood_normalized"):
         st = prog.run(method=method, backend=be)
         assert st["city"] in choices and st.get_meta_info("city")["choices_method"] == method
+
     # gen(choices=...) is a select
     @plait.function
     def prog2(s):
         s += "The capital of France is" + plait.gen("c", choices=choices)
+
     assert prog2.run(backend=be)["c"] == prog.run(method="token_length_normalized", backend=be)["city"]
 
 
@@ -198,7 +205,7 @@ def test_run_batch_one_failing(be, capsys):
 
     qs = ["one", "boom", "two", "bad-regex", "three"]
     states = prog.run_batch([{"q": q} for q in qs], backend=be, progress_bar=True, num_threads=3, **GREEDY)
-    assert "5/5" in capsys.readouterr().err        # tqdm's bar
+    assert "5/5" in capsys.readouterr().err  # tqdm's bar
     for q, st in zip(qs, states):
         if q in ("boom", "bad-regex"):
             assert st.error() is not None
@@ -208,7 +215,7 @@ def test_run_batch_one_failing(be, capsys):
             assert st.error() is None and st.get_meta_info("a")["completion_tokens"] == 4
     assert isinstance(states[1].error(), ValueError)
     assert "regex" in str(states[3].error()).lower()
-    with pytest.raises(ProgramError, match="regex"):      # run() raises
+    with pytest.raises(ProgramError, match="regex"):  # run() raises
         prog.run(q="bad-regex", backend=be)
 
 
@@ -242,7 +249,7 @@ def test_cache_prefix(tiny, be):
     plait.flush_cache(be)
     assert prog.run(q="x", backend=be).get_meta_info("a")["cached_tokens"] == 0
     plait.flush_cache(be)
-    prog.cache(be)            # traces the constant prefix, sends it prefill-only
+    prog.cache(be)  # traces the constant prefix, sends it prefill-only
     n = len(tiny.tokenizer(prefix).input_ids)
     assert prog.run(q="y", backend=be).get_meta_info("a")["cached_tokens"] >= n - 2
 
@@ -265,6 +272,7 @@ def test_default_backend_accepts_engine(tiny):
 @pytest.fixture(scope="module")
 def real_url(smollm2_path):
     from plait.runtime.server.http_server import create_app
+
     with plait.Engine(model="smollm2", dtype="float32", max_total_tokens=8192, random_seed=0) as eng:
         with serve(create_app(eng)) as url:
             yield url
@@ -281,8 +289,10 @@ def test_sglang_style_program_unchanged(endpoint):
 
     @sgl.function
     def qa(s, question):
-        s += ("You are a concise assistant that answers geography questions with a single word or a "
-              "short phrase.\n\nQ: " + question + "\nA:")
+        s += (
+            "You are a concise assistant that answers geography questions with a single word or a "
+            "short phrase.\n\nQ: " + question + "\nA:"
+        )
         s += sgl.gen("answer", max_tokens=12, stop="\n")
 
     @sgl.function
@@ -297,7 +307,7 @@ def test_sglang_style_program_unchanged(endpoint):
         s += sgl.user(question)
         s += sgl.assistant(sgl.gen("first", max_tokens=16))
 
-    assert endpoint.get_chat_template().name == "chatml"      # SmolLM2's family, matched by name
+    assert endpoint.get_chat_template().name == "chatml"  # SmolLM2's family, matched by name
     sgl.set_default_backend(endpoint)
     try:
         st = qa.run(question="What is the capital of France?", temperature=0)
@@ -309,8 +319,11 @@ def test_sglang_style_program_unchanged(endpoint):
         st = chat.run(question="What is the capital of France?", temperature=0)
         assert st.text().startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n")
         assert "Paris" in st["first"] and "<|im_end|>" not in st["first"]
-        states = qa.run_batch([{"question": f"What is the capital of {c}?"} for c in ("France", "Italy")],
-                              temperature=0, progress_bar=False)
+        states = qa.run_batch(
+            [{"question": f"What is the capital of {c}?"} for c in ("France", "Italy")],
+            temperature=0,
+            progress_bar=False,
+        )
         assert "Paris" in states[0]["answer"] and states[1]["answer"].strip()
         sgl.flush_cache()
     finally:
@@ -351,8 +364,9 @@ def test_openai_backend(real_url):
     @plait.function
     def bad(s, kind):
         s += plait.user("Pick.")
-        s += plait.assistant(plait.select("x", choices=["a", "b"]) if kind == "select"
-                             else plait.gen("x", regex="[ab]"))
+        s += plait.assistant(
+            plait.select("x", choices=["a", "b"]) if kind == "select" else plait.gen("x", regex="[ab]")
+        )
 
     for kind in ("select", "regex"):
         with pytest.raises(ProgramError, match="cannot"):

@@ -1,6 +1,7 @@
 """The DSL's nested program calls and asyncio API, on the in-process Engine and on a real HTTP
 server (RuntimeEndpoint) over the same tiny random Llama (real SmolLM2 tokenizer), plus
 concurrency checks on a fake slow backend and a smoke run of `benchmarks/programs.py`."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,14 +22,14 @@ GREEDY = {"temperature": 0}
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dirs):
-    with plait.Engine(model=tiny_model_dirs["llama"], dtype="float32", max_total_tokens=8192,
-                      random_seed=0) as eng:
+    with plait.Engine(model=tiny_model_dirs["llama"], dtype="float32", max_total_tokens=8192, random_seed=0) as eng:
         yield eng
 
 
 @pytest.fixture(scope="module")
 def tiny_url(tiny):
     from plait.runtime.server.http_server import create_app
+
     with serve(create_app(tiny)) as url:
         yield url
 
@@ -53,16 +54,16 @@ def answer(s, q, var):
 
 @plait.function
 def free(s):
-    s += " More:" + plait.gen("free")          # no max_tokens: the call's (or the run's) setting
+    s += " More:" + plait.gen("free")  # no max_tokens: the call's (or the run's) setting
 
 
 @plait.function
 def quiz(s):
     s += "Quiz.\n"
-    s += answer("one?", "a1")                            # appended: runs here, inline
-    s += "\n" + answer("two?", "a2") + "\n"              # inside a list
-    answer(s, "three?", "a3")                            # the state passed explicitly
-    s += free(max_tokens=2)                              # its own setting, for its own gens only
+    s += answer("one?", "a1")  # appended: runs here, inline
+    s += "\n" + answer("two?", "a2") + "\n"  # inside a list
+    answer(s, "three?", "a3")  # the state passed explicitly
+    s += free(max_tokens=2)  # its own setting, for its own gens only
     s += " Last:" + plait.gen("last") + " Echo:" + s["a1"]
 
 
@@ -100,10 +101,10 @@ def expand(s, tip):
 def tips(s, splice):
     s += "Tips:\n1." + plait.gen("tip_1", max_tokens=3, ignore_eos=True)
     s += "\n2." + plait.gen("tip_2", max_tokens=3, ignore_eos=True) + "\n"
-    b1 = expand(tip=s["tip_1"])                          # SGLang's multi-function program
+    b1 = expand(tip=s["tip_1"])  # SGLang's multi-function program
     b2 = expand(tip=s["tip_2"])
     if splice:
-        s += b1                                          # its text, and its variables, appended
+        s += b1  # its text, and its variables, appended
     else:
         s += "Tip 1:" + b1["detail"] + "\nTip 2:" + b2["detail"]
     s["b2_text"] = b2.text()
@@ -115,7 +116,7 @@ def test_nested_call_as_own_program(tiny, be):
     d1, d2 = native(tiny, "Expand: " + t1 + "\n", 3), native(tiny, "Expand: " + t2 + "\n", 3)
     assert st.text() == f"Tips:\n1.{t1}\n2.{t2}\nTip 1:{d1}\nTip 2:{d2}"
     assert st["b2_text"] == "Expand: " + t2 + "\n" + d2
-    assert "detail" not in st                            # its own state, not the caller's
+    assert "detail" not in st  # its own state, not the caller's
     st = tips.run(splice=True, backend=be, **GREEDY)
     assert st.text() == f"Tips:\n1.{t1}\n2.{t2}\nExpand: {t1}\n{d1}" and st["detail"] == d1
 
@@ -125,7 +126,7 @@ def branchy(s):
     s += "Three ways:\n"
     forks = s.fork(3)
     for i, f in enumerate(forks):
-        f += answer(f"way {i}?", "way")                  # a nested call on each fork
+        f += answer(f"way {i}?", "way")  # a nested call on each fork
     forks.join()
     s += "Best:" + plait.gen("best", max_tokens=2, ignore_eos=True)
 
@@ -139,7 +140,7 @@ def test_nested_call_in_forks_and_streaming(tiny, be):
     whole = quiz.run(backend=be, max_tokens=4, ignore_eos=True, **GREEDY)
     assert "".join(pieces) == whole.text() == streamed.text() and len(pieces) > 8
     streamed = quiz.run(backend=be, max_tokens=4, ignore_eos=True, stream=True, **GREEDY)
-    assert "".join(streamed.text_iter("a2")) == whole["a2"]     # a variable set by a nested call
+    assert "".join(streamed.text_iter("a2")) == whole["a2"]  # a variable set by a nested call
 
 
 def test_nested_errors_and_batch(be):
@@ -160,15 +161,13 @@ def test_nested_errors_and_batch(be):
     assert states[0]["a"] == states[2]["a"] and states[0].text() == "Start.Q: q?\nA:" + states[0]["a"]
 
 
-
-
 def test_own_program_calls_run_concurrently():
     slow = SlowBackend(0.4)
 
     @plait.function
     def outer(s):
         s += "a" + plait.gen("first")
-        calls = [expand(tip=s["first"]) for _ in range(4)]    # started when the first is read
+        calls = [expand(tip=s["first"]) for _ in range(4)]  # started when the first is read
         s += "".join(c["detail"] for c in calls)
 
     st = outer.run(backend=slow)
@@ -192,13 +191,14 @@ def test_run_async_and_async_streaming(be):
                 ticks += 1
 
         tick_task = asyncio.create_task(ticker())
-        states = await asyncio.gather(*(quiz.run_async(backend=be, max_tokens=4, ignore_eos=True, **GREEDY)
-                                        for _ in range(3)))
+        states = await asyncio.gather(
+            *(quiz.run_async(backend=be, max_tokens=4, ignore_eos=True, **GREEDY) for _ in range(3))
+        )
         streamed = await quiz.run_async(backend=be, max_tokens=4, ignore_eos=True, stream=True, **GREEDY)
         pieces = [p async for p in streamed.text_async_iter()]
         streamed = await quiz.run_async(backend=be, max_tokens=4, ignore_eos=True, stream=True, **GREEDY)
         with_meta = [x async for x in streamed.text_async_iter("last", return_meta_data=True)]
-        whole = [p async for p in states[0].text_async_iter()]          # not streamed: all at once
+        whole = [p async for p in states[0].text_async_iter()]  # not streamed: all at once
         with pytest.raises(ProgramError, match="regex"):
             await bad_regex.run_async(backend=be)
         tick_task.cancel()
@@ -210,7 +210,7 @@ def test_run_async_and_async_streaming(be):
     assert "".join(pieces) == ref.text() and len(pieces) > 8
     assert "".join(p for p, _ in with_meta) == ref["last"]
     assert with_meta[-1][1]["completion_tokens"] == 4
-    assert ticks > 20              # the loop kept running while the programs ran
+    assert ticks > 20  # the loop kept running while the programs ran
 
 
 def test_run_async_does_not_block_the_loop():
@@ -228,8 +228,8 @@ def test_run_async_does_not_block_the_loop():
 
     states, dt = asyncio.run(main())
     assert [st.text() for st in states] == [f"{k}xx" for k in range(20)]
-    assert slow.peak == 20          # all twenty at once, none waiting for a thread pool slot
-    assert dt < 3.0                 # sequential would be 12 s
+    assert slow.peak == 20  # all twenty at once, none waiting for a thread pool slot
+    assert dt < 3.0  # sequential would be 12 s
 
 
 # --- the benchmark --------------------------------------------------------------------------------------
@@ -237,14 +237,36 @@ def test_run_async_does_not_block_the_loop():
 def test_programs_benchmark_smoke(tiny_model_dirs, tmp_path):
     out = tmp_path / "programs.json"
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    proc = subprocess.run([sys.executable, "-m", "plait.benchmarks.programs", "--model", tiny_model_dirs["llama"],
-                           "--dtype", "float32", "--num-programs", "4", "--max-tokens", "2", "--num-shots", "2",
-                           "--max-total-tokens", "16384", "--json", str(out)],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "plait.benchmarks.programs",
+            "--model",
+            tiny_model_dirs["llama"],
+            "--dtype",
+            "float32",
+            "--num-programs",
+            "4",
+            "--max-tokens",
+            "2",
+            "--num-shots",
+            "2",
+            "--max-total-tokens",
+            "16384",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "programs/s" in proc.stdout and "hit rate" in proc.stdout and "speedup" in proc.stdout
     r = json.loads(out.read_text())
-    assert r["plait"]["calls"] == r["sequential"]["calls"] == 1 + 4 + 1 + 3     # qa, tot, json, chat
+    assert r["plait"]["calls"] == r["sequential"]["calls"] == 1 + 4 + 1 + 3  # qa, tot, json, chat
     assert r["plait"]["hit_rate"] > 0.3 and r["sequential"]["seconds"] > 0
     assert r["sequential"]["cached_tokens"] == 0
-    assert r["plait"]["prompt_tokens"] >= r["sequential"]["prompt_tokens"]   # the same calls (+ any warm-up)
+    assert r["plait"]["prompt_tokens"] >= r["sequential"]["prompt_tokens"]  # the same calls (+ any warm-up)

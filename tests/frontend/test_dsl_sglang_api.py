@@ -8,6 +8,7 @@ fork item assignment, gen(n), stop_regex, separate_reasoning, run_batch's forms 
 speculation (`num_api_spec_tokens`) on completion and chat backends. The same pieces on the real
 model run in test_sglang_programs.py.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -17,8 +18,9 @@ from typing import Any
 
 import pytest
 
-sgl_api = pytest.importorskip("sglang.lang.api",
-                              reason="sglang frontend not installed (pip install --no-deps sglang==0.5.5)")
+sgl_api = pytest.importorskip(
+    "sglang.lang.api", reason="sglang frontend not installed (pip install --no-deps sglang==0.5.5)"
+)
 
 import sglang  # noqa: E402
 import sglang.lang.backend.runtime_endpoint as sgl_endpoint  # noqa: E402
@@ -67,7 +69,7 @@ def signature_problems(sgl_fn: Any, plait_fn: Any) -> list[str]:
     problems = []
     sg_pos = [p.name for p in sg.parameters.values() if p.kind in POSITIONAL]
     pl_pos = [p.name for p in pl.parameters.values() if p.kind in POSITIONAL]
-    if pl_pos[:len(sg_pos)] != sg_pos:
+    if pl_pos[: len(sg_pos)] != sg_pos:
         problems.append(f"positional parameters {pl_pos} do not begin with SGLang's {sg_pos}")
     kinds = {p.kind for p in pl.parameters.values()}
     for p in sg.parameters.values():
@@ -90,8 +92,11 @@ def signature_problems(sgl_fn: Any, plait_fn: Any) -> list[str]:
 
 
 def _api_functions() -> list[str]:
-    return [n for n, o in vars(sgl_api).items()
-            if inspect.isfunction(o) and o.__module__ == sgl_api.__name__ and not n.startswith("_")]
+    return [
+        n
+        for n, o in vars(sgl_api).items()
+        if inspect.isfunction(o) and o.__module__ == sgl_api.__name__ and not n.startswith("_")
+    ]
 
 
 def _methods(cls: type) -> list[str]:
@@ -106,11 +111,17 @@ def test_the_comparison_catches_differences():
     def missing(name=None, max_tokens=None, **kw): ...
     def strict(name=None, max_tokens=None, *, temperature=0.0): ...
     def required(name=None, max_tokens=None, *, temperature=0.0, backend, **kw): ...
+
     assert signature_problems(sg, same) == []
     for bad in (reordered, other_default, missing, strict, required):
         assert signature_problems(sg, bad), bad.__name__
-    assert signature_problems(lambda choices_method=sgl_choices.token_length_normalized: 0,
-                              lambda choices_method=plait.token_length_normalized: 0) == []
+    assert (
+        signature_problems(
+            lambda choices_method=sgl_choices.token_length_normalized: 0,
+            lambda choices_method=plait.token_length_normalized: 0,
+        )
+        == []
+    )
 
 
 @pytest.mark.parametrize("name", _api_functions())
@@ -121,10 +132,15 @@ def test_api_function_signature(name):
     assert signature_problems(getattr(sgl_api, name), getattr(plait, name)) == []
 
 
-@pytest.mark.parametrize("sgl_cls,plait_cls", [(sgl_interp.ProgramState, ProgramState),
-                                               (sgl_interp.ProgramStateGroup, ProgramStateGroup),
-                                               (sgl_ir.SglFunction, plait.Function)],
-                         ids=["ProgramState", "ProgramStateGroup", "SglFunction"])
+@pytest.mark.parametrize(
+    "sgl_cls,plait_cls",
+    [
+        (sgl_interp.ProgramState, ProgramState),
+        (sgl_interp.ProgramStateGroup, ProgramStateGroup),
+        (sgl_ir.SglFunction, plait.Function),
+    ],
+    ids=["ProgramState", "ProgramStateGroup", "SglFunction"],
+)
 def test_class_method_signatures(sgl_cls, plait_cls):
     problems = {}
     for name in _methods(sgl_cls):
@@ -144,8 +160,12 @@ def test_runtime_endpoint_and_top_level_names():
 
 
 def test_dtype_regexes_are_sglangs():
-    assert (REGEX_INT, REGEX_FLOAT, REGEX_BOOL, REGEX_STR) == (sgl_ir.REGEX_INT, sgl_ir.REGEX_FLOAT,
-                                                               sgl_ir.REGEX_BOOL, sgl_ir.REGEX_STR)
+    assert (REGEX_INT, REGEX_FLOAT, REGEX_BOOL, REGEX_STR) == (
+        sgl_ir.REGEX_INT,
+        sgl_ir.REGEX_FLOAT,
+        sgl_ir.REGEX_BOOL,
+        sgl_ir.REGEX_STR,
+    )
 
 
 def test_what_plait_does_not_do_says_so():
@@ -221,7 +241,7 @@ def test_state_assignment_after_run_and_in_order_during_it():
         s += plait.gen("w")
 
     state = prog.run(backend=Scripted(["42", "x"]))
-    state["v"] = int(state["v"])          # SGLang's test_dtype_gen does this after run()
+    state["v"] = int(state["v"])  # SGLang's test_dtype_gen does this after run()
     assert state["v"] == 42 and state["before"] == "set"
     state["new"] = [1]
     assert state["new"] == [1] and "new" in state
@@ -250,8 +270,14 @@ def test_var_scope_with_unnamed_typed_gens_is_constrained():
     assert obj["name"] == "Paris" and obj["population"] == 2148000 and obj["extra"] == {"a": 1}
     assert state.text().endswith("}" + " done") and state["json_output"].startswith("{\n")
     settings = [sp for _, sp in backend.calls]
-    assert [sp.get("regex") for sp in settings[:6]] == [REGEX_STR, REGEX_INT, REGEX_INT, REGEX_STR, REGEX_STR,
-                                                       REGEX_FLOAT]
+    assert [sp.get("regex") for sp in settings[:6]] == [
+        REGEX_STR,
+        REGEX_INT,
+        REGEX_INT,
+        REGEX_STR,
+        REGEX_STR,
+        REGEX_FLOAT,
+    ]
     assert settings[6]["json_schema"] == '{"type": "object"}'
     # int (and float) also stop at a blank, on top of the gen's own stops (SGLang)
     assert settings[1]["stop"] == [" ", "\n"] and settings[2]["stop"] == [",", " ", "\n"]
@@ -294,8 +320,8 @@ def test_gen_n_makes_a_list_and_the_text_goes_on_with_the_first():
     state = prog.run(backend=backend)
     assert state["a"] == ["one", "two", "three"] and state.text() == "Q:one|"
     assert len(state.get_meta_info("a")) == 3
-    assert [sp["seed"] for _, sp in backend.calls] == [7, 8, 9]       # distinct samples one call at a time
-    state = one_gen.run(backend=Scripted(["p", "q"]), n=2)             # run(n=...): every gen's default
+    assert [sp["seed"] for _, sp in backend.calls] == [7, 8, 9]  # distinct samples one call at a time
+    state = one_gen.run(backend=Scripted(["p", "q"]), n=2)  # run(n=...): every gen's default
     assert state["b"] == ["p", "q"] and state.text() == "p"
 
 
@@ -318,8 +344,8 @@ def test_stop_regex_cuts_where_the_text_first_matches_and_stops_reading():
             assert "".join(state.text_iter("a")) == "count 1 2 3 10"
         assert state["a"] == "count 1 2 3 10" and state.text() == "N:count 1 2 3 10|"
         assert state.get_meta_info("a")["finish_reason"] == {"type": "stop", "matched": r"\d\d"}
-        assert backend.streamed == len("count 1 2 3 10")          # the rest was never read
-        assert backend.calls[-1][1]["stop_regex"] == [r"\d\d", "zzz"]   # and the server is told too
+        assert backend.streamed == len("count 1 2 3 10")  # the rest was never read
+        assert backend.calls[-1][1]["stop_regex"] == [r"\d\d", "zzz"]  # and the server is told too
     # run(stop_regex=...) is every gen's default; an end-anchored pattern matches a prefix
     assert one_gen.run(backend=Scripted(["ab1cd"]), stop_regex=r"[0-9]$")["b"] == "ab1"
 
@@ -335,6 +361,7 @@ def test_separate_reasoning_splits_variable_and_text():
     assert state["answer"] == "Paris" and state["answer_reasoning_content"] == "It is Paris."
     assert state.messages()[1] == {"role": "assistant", "content": "Paris"}
     assert "think" not in state.text() and "ASSISTANT:Paris\nUSER:Sure?" in state.text()
+
     # qwen3 does not always think: no marker, all answer
     @plait.function
     def qwen(s):
@@ -381,11 +408,12 @@ def character(spec: int | None):
         s += "Make a character.\n"
         s += "Name:" + plait.gen("name", stop="\n") + "\nBirthday:" + plait.gen("birthday", stop="\n")
         s += "\nJob:" + plait.gen("job", stop="\n") + "\n"
+
     return prog
 
 
 def test_completion_speculation_one_call_for_three_gens():
-    backend = Scripted([CHARACTER[len("Name:"):] + "\nMore text"])
+    backend = Scripted([CHARACTER[len("Name:") :] + "\nMore text"])
     state = character(64).run(backend=backend, max_new_tokens=8)
     assert (state["name"], state["birthday"], state["job"]) == (" Ann", " May 1", " cook")
     assert state.text() == "Make a character.\n" + CHARACTER + "\n"
@@ -406,9 +434,16 @@ def chat_character(spec: int):
     def prog(s):
         s += plait.system("You are helpful.")
         s += plait.user("Make a character.")
-        s += plait.assistant("Name:" + plait.gen("name", stop="\n") + "\nBirthday:" + plait.gen("birthday", stop="\n")
-                             + "\nJob:" + plait.gen("job", stop="\n"))
+        s += plait.assistant(
+            "Name:"
+            + plait.gen("name", stop="\n")
+            + "\nBirthday:"
+            + plait.gen("birthday", stop="\n")
+            + "\nJob:"
+            + plait.gen("job", stop="\n")
+        )
         s += plait.user("Thanks.")
+
     return prog
 
 

@@ -5,6 +5,7 @@ model, so that the programs' answers can be checked for sense (a select between 
 " London" is only meaningful with real weights). sglang is installed without its GPU runtime
 (`pip install --no-deps sglang==0.5.5`, see the Makefile); `import sglang` then works as is.
 """
+
 from __future__ import annotations
 
 import re
@@ -20,8 +21,7 @@ from plait.runtime.server.http_server import create_app  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
-QA_PREFIX = ("You are a concise assistant that answers geography questions with a single word or a "
-             "short phrase.\n\n")
+QA_PREFIX = "You are a concise assistant that answers geography questions with a single word or a short phrase.\n\n"
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +97,11 @@ def test_gen_with_stop_matches_native_generate(backend, url):
     assert meta["finish_reason"]["type"] in ("stop", "length") and meta["completion_tokens"] >= 1
     # the client sent exactly the rendered text: the native API gives the same completion
     text = state.text()[: -len(answer)]
-    native = httpx.post(url + "/generate", json={"text": text, "sampling_params": {
-        "max_new_tokens": 12, "stop": "\n", "temperature": 0}}, timeout=60).json()
+    native = httpx.post(
+        url + "/generate",
+        json={"text": text, "sampling_params": {"max_new_tokens": 12, "stop": "\n", "temperature": 0}},
+        timeout=60,
+    ).json()
     assert native["text"] == answer
     # the same prompt again: its prefix comes from the radix cache
     again = qa.run(question="What is the capital of France?", backend=backend, temperature=0)
@@ -110,8 +113,9 @@ def test_exact_length_and_logprobs(backend):
     @sgl.function
     def prog(s):
         s += "Count with me: one, two, three,"
-        s += sgl.gen("x", max_tokens=6, ignore_eos=True, return_logprob=True, top_logprobs_num=2,
-                     return_text_in_logprobs=True)
+        s += sgl.gen(
+            "x", max_tokens=6, ignore_eos=True, return_logprob=True, top_logprobs_num=2, return_text_in_logprobs=True
+        )
 
     state = prog.run(backend=backend, temperature=0)
     meta = state.get_meta_info("x")
@@ -132,20 +136,24 @@ def test_select(backend, url):
     assert state.text().startswith("The capital of France is Paris. It is") and state["more"]
     assert capital_gen_choices.run(backend=backend, temperature=0)["city"] == " Paris"
     # what select reads: a prefill-only call with return_logprob has output_token_logprobs == []
-    out = httpx.post(url + "/generate", json={"text": ["a b", "c d"], "return_logprob": True,
-                                              "sampling_params": {"max_new_tokens": 0}}, timeout=60).json()
+    out = httpx.post(
+        url + "/generate",
+        json={"text": ["a b", "c d"], "return_logprob": True, "sampling_params": {"max_new_tokens": 0}},
+        timeout=60,
+    ).json()
     assert [r["meta_info"]["output_token_logprobs"] for r in out] == [[], []]
 
 
 def test_roles(backend, url):
     chatml = sgl.RuntimeEndpoint(url, chat_template_name="chatml")
-    state = chat.run(question="What is the capital of France?", follow_up="And of Italy?", backend=chatml,
-                     temperature=0)
+    state = chat.run(
+        question="What is the capital of France?", follow_up="And of Italy?", backend=chatml, temperature=0
+    )
     text = state.text()
     assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n")
     assert text.count("<|im_start|>assistant\n") == 2
     assert "Paris" in state["first"] and state["second"].strip(), (state["first"], state["second"])
-    assert "<|im_end|>" not in state["first"] + state["second"]   # EOS never reaches the text
+    assert "<|im_end|>" not in state["first"] + state["second"]  # EOS never reaches the text
     msgs = state.messages()
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant"]
     # the default template (what model_path matching picks) renders and generates too
@@ -169,22 +177,28 @@ def test_fork_join(backend):
 
 
 def test_run_batch(backend):
-    questions = ["What is the capital of France?", "What is the capital of Germany?",
-                 "What is the capital of Spain?", "What is the capital of Japan?"]
-    backend.cache_prefix(QA_PREFIX)          # SGLang's way to warm a shared prefix (max_new_tokens 0)
+    questions = [
+        "What is the capital of France?",
+        "What is the capital of Germany?",
+        "What is the capital of Spain?",
+        "What is the capital of Japan?",
+    ]
+    backend.cache_prefix(QA_PREFIX)  # SGLang's way to warm a shared prefix (max_new_tokens 0)
     before = cached_tokens_total(backend)
-    states = qa.run_batch([{"question": q} for q in questions], backend=backend, temperature=0,
-                          num_threads=4, progress_bar=False)
+    states = qa.run_batch(
+        [{"question": q} for q in questions], backend=backend, temperature=0, num_threads=4, progress_bar=False
+    )
     assert len(states) == 4
     for q, st in zip(questions, states):
         assert q in st.text() and st["answer"].strip(), st.text()
-    assert "Paris" in states[0]["answer"]          # (the 135M model is not sure about the others)
+    assert "Paris" in states[0]["answer"]  # (the 135M model is not sure about the others)
     # every request starts with the warmed QA_PREFIX and finds it cached
     assert cached_tokens_total(backend) - before >= 4 * (len(plait_tokens(QA_PREFIX)) - 1)
 
 
 def plait_tokens(text: str) -> list[int]:
     from plait.runtime.model_executor.model_loader import load_tokenizer, resolve_model
+
     return load_tokenizer(resolve_model("smollm2"))(text).input_ids
 
 
@@ -208,7 +222,7 @@ def test_cache_prefix_and_flush(backend):
     first = prog.run(q="Where is Rome?", backend=backend, temperature=0)
     assert first.get_meta_info("a")["cached_tokens"] == 0
     sgl.flush_cache(backend)
-    prog.cache(backend)        # traces the constant prefix and sends it with max_new_tokens 0
+    prog.cache(backend)  # traces the constant prefix and sends it with max_new_tokens 0
     second = prog.run(q="Where is Oslo?", backend=backend, temperature=0)
     assert second.get_meta_info("a")["cached_tokens"] >= len(plait_tokens(QA_PREFIX)) * 2 - 4
 
@@ -223,8 +237,14 @@ def test_api_key(engine):
 
 
 def regex_honoured(url: str) -> bool:
-    out = httpx.post(url + "/generate", json={"text": "My favourite number is ", "sampling_params": {
-        "regex": "[0-9]{3}", "max_new_tokens": 8, "temperature": 0}}, timeout=60)
+    out = httpx.post(
+        url + "/generate",
+        json={
+            "text": "My favourite number is ",
+            "sampling_params": {"regex": "[0-9]{3}", "max_new_tokens": 8, "temperature": 0},
+        },
+        timeout=60,
+    )
     return out.status_code == 200 and re.fullmatch("[0-9]{3}", out.json()["text"]) is not None
 
 

@@ -12,6 +12,7 @@ which shortens only the gens that ask for more. PLAIT_SGL_PROGRAMS_MAX_TOKENS=0 
 Also here, on the real model: gen(n=...) in one request, stop_regex stopping the generation early,
 and SGLang's chat API speculation program on plait.OpenAIBackend (plait's /v1 server).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -21,8 +22,9 @@ import warnings
 
 import pytest
 
-programs = pytest.importorskip("sglang.test.test_programs",
-                               reason="sglang frontend not installed (pip install --no-deps sglang==0.5.5)")
+programs = pytest.importorskip(
+    "sglang.test.test_programs", reason="sglang frontend not installed (pip install --no-deps sglang==0.5.5)"
+)
 
 import plait  # noqa: E402
 
@@ -50,19 +52,22 @@ SKIPPED: dict[str, str] = {
     "test_tool_use": "evaluates the expression the model writes and asserts it computes 257 * 983",
     "test_react": "asserts the model's answer names Finland or the States (and needs it to choose Finish)",
     "test_image_qa": "image input: plait's models take text only (sgl.image raises NotImplementedError), "
-                     "and the program needs example_image.png",
+    "and the program needs example_image.png",
     "test_completion_speculative": "compares prompt-token counts read from SGLang's OpenAI backend "
-                                   "(token_usage), which depend on whether the model's text written ahead "
-                                   "follows the format; plait's speculation is checked in test_dsl_sglang_api.py",
+    "(token_usage), which depend on whether the model's text written ahead "
+    "follows the format; plait's speculation is checked in test_dsl_sglang_api.py",
     "test_hellaswag_select": "downloads the HellaSwag data set and asserts accuracy and latency bounds",
     "test_gen_min_new_tokens": "imports sglang itself inside the program (`import sglang as sgl`), so it runs "
-                               "SGLang's interpreter, not plait's, and needs sglang.srt's tokenizer utilities",
+    "SGLang's interpreter, not plait's, and needs sglang.srt's tokenizer utilities",
 }
 
 
 def _program_names() -> set[str]:
-    return {n for n, f in vars(programs).items()
-            if n.startswith("test_") and inspect.isfunction(f) and f.__module__ == programs.__name__}
+    return {
+        n
+        for n, f in vars(programs).items()
+        if n.startswith("test_") and inspect.isfunction(f) and f.__module__ == programs.__name__
+    }
 
 
 def test_every_program_is_run_or_skipped_with_a_reason():
@@ -145,7 +150,7 @@ def test_sglang_program(name, as_sgl):
     if name in SKIPPED:
         pytest.skip(SKIPPED[name])
     getattr(programs, name)(**RUN[name])
-    assert as_sgl.calls.get("generate", 0) > 0 or name == "test_select"    # it ran on this backend
+    assert as_sgl.calls.get("generate", 0) > 0 or name == "test_select"  # it ran on this backend
 
 
 # --- the pieces the programs use, on the real model -----------------------------------------------
@@ -157,7 +162,7 @@ def count_and_colors(s):
 
 
 def test_stop_regex_and_n_on_the_model(backend):
-    backend.cap = 0                  # the lengths are what this test checks
+    backend.cap = 0  # the lengths are what this test checks
     state = count_and_colors.run(backend=backend)
     more = state["more"]
     # generation stopped where the text first matched: the match is its end, well before 24 tokens
@@ -168,7 +173,7 @@ def test_stop_regex_and_n_on_the_model(backend):
     assert isinstance(colors, list) and len(colors) == 3 and len(metas) == 3
     assert all(m["completion_tokens"] == 4 for m in metas)
     assert state.text() == "Count: 1, 2, 3," + more + "\nA color:" + colors[0]
-    assert backend.calls == {"generate": 2}                 # the 3 samples were one request
+    assert backend.calls == {"generate": 2}  # the 3 samples were one request
 
 
 def test_chat_speculation_program_on_openai_backend(url, monkeypatch):
@@ -178,7 +183,7 @@ def test_chat_speculation_program_on_openai_backend(url, monkeypatch):
     plait.set_default_backend(backend)
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)   # a reply that does not fit the template warns
+            warnings.simplefilter("ignore", RuntimeWarning)  # a reply that does not fit the template warns
             programs.test_chat_completion_speculative()
     finally:
         plait.set_default_backend(old)

@@ -4,6 +4,7 @@ Per backend: valid strings walk through token by token, invalid ones are rejecte
 token, the mask agrees with accept, rollback restores the state, jump-forward text, bad specs
 raise GrammarError, random walks from the mask validate; plus the bitmask kernel, the compile
 cache and the outlines blow-up guard."""
+
 from __future__ import annotations
 
 import json
@@ -31,17 +32,20 @@ from plait.grammar.bitmask import _apply_torch, set_token_bits, unpack_bitmask
 from plait.grammar.tokenizer_info import _bytes_to_unicode
 
 VOCAB = 49152
-EOS = 2                      # <|im_end|>
+EOS = 2  # <|im_end|>
 BACKENDS = ("xgrammar", "outlines", "llguidance", "auto")
 
-PERSON = {"type": "object",
-          "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"]}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
 
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_path):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(smollm2_path)
 
 
@@ -94,14 +98,20 @@ def cases(backend: GrammarBackend, tokenizer) -> list[tuple[str, GrammarSpec, st
         ("regex", GrammarSpec.from_regex(r"[0-9]{3}-[a-z]+( ok)?"), "123-abcdef ok"),
         ("choice", GrammarSpec.from_choices(["yes", "no", 'say "hi"\n', "é中"]), 'say "hi"\n'),
     ]
-    if backend.name != "outlines":   # outlines: json_object's index takes ~6 s to build; no EBNF
+    if backend.name != "outlines":  # outlines: json_object's index takes ~6 s to build; no EBNF
         out.append(("json_object", GrammarSpec.json_object(), dumps({"a": [1, 2.5, None], "b": {"c": "d"}}, backend)))
-        out.append(("ebnf", GrammarSpec.from_ebnf(
-            'root ::= expr\nexpr ::= term ("+" term)*\nterm ::= [0-9]+ | "(" expr ")"'), "(1+23)+4"))
+        out.append(
+            (
+                "ebnf",
+                GrammarSpec.from_ebnf('root ::= expr\nexpr ::= term ("+" term)*\nterm ::= [0-9]+ | "(" expr ")"'),
+                "(1+23)+4",
+            )
+        )
     return out
 
 
 # --------------------------------------------------------------------------- tokenizer info
+
 
 def test_tokenizer_info_bytes(tokenizer):
     info = TokenizerInfo(tokenizer, VOCAB)
@@ -119,12 +129,19 @@ def test_tokenizer_info_bytes(tokenizer):
 
 
 def test_spec_canonical():
-    a = GrammarSpec.from_json_schema({"type": "object", "required": ["b"],
-                                      "properties": {"b": {"type": "string", "maxLength": 3}, "a": {"type": "integer"}}})
-    b = GrammarSpec.from_json_schema('{"properties": {"b": {"maxLength": 3, "type": "string"}, '
-                                     '"a": {"type": "integer"}}, "type": "object", "required": ["b"]}')
+    a = GrammarSpec.from_json_schema(
+        {
+            "type": "object",
+            "required": ["b"],
+            "properties": {"b": {"type": "string", "maxLength": 3}, "a": {"type": "integer"}},
+        }
+    )
+    b = GrammarSpec.from_json_schema(
+        '{"properties": {"b": {"maxLength": 3, "type": "string"}, '
+        '"a": {"type": "integer"}}, "type": "object", "required": ["b"]}'
+    )
     assert a == b and a.kind == "json_schema"
-    assert list(json.loads(a.spec)["properties"]) == ["b", "a"]     # property order is kept
+    assert list(json.loads(a.spec)["properties"]) == ["b", "a"]  # property order is kept
     assert canonical_json({"z": 1, "a": {"y": 2, "b": 3}}) == '{"a":{"b":3,"y":2},"z":1}'
     assert GrammarSpec.json_object() == GrammarSpec("json_object", None)
     with pytest.raises(GrammarError, match="unknown grammar kind"):
@@ -137,17 +154,18 @@ def test_spec_canonical():
 
 # --------------------------------------------------------------------------- per backend
 
+
 def test_valid_strings_walk(backend, tokenizer):
     for kind, spec, text in cases(backend, tokenizer):
         m = compiled(backend, spec).matcher()
         ids = ids_of(tokenizer, text)
         for k, t in enumerate(ids):
             assert not m.is_finished()
-            assert m.accept(t), (backend.name, kind, text, k, tokenizer.decode(ids[:k + 1]))
+            assert m.accept(t), (backend.name, kind, text, k, tokenizer.decode(ids[: k + 1]))
         assert m.num_accepted == len(ids)
         assert m.can_end(), (backend.name, kind)
         if kind in ("json_schema", "choice", "json_object"):
-            assert m.is_finished(), (backend.name, kind)      # nothing but EOS may follow
+            assert m.is_finished(), (backend.name, kind)  # nothing but EOS may follow
         assert m.accept(EOS) and m.is_finished() and not m.accept(EOS)
         assert m.forced_text() == ""
 
@@ -155,7 +173,7 @@ def test_valid_strings_walk(backend, tokenizer):
 def test_invalid_rejected_at_the_right_token(backend, tokenizer):
     sep = ":" if backend.name == "outlines" else ": "
     comma = "," if backend.name == "outlines" else ", "
-    bad = [   # (spec, the longest valid prefix, the rest, starting with the first invalid character)
+    bad = [  # (spec, the longest valid prefix, the rest, starting with the first invalid character)
         (GrammarSpec.from_json_schema(PERSON), '{"name"' + sep + '"Bob"' + comma + '"age"' + sep, '"x"}'),
         (GrammarSpec.from_json_schema(PERSON), '{"name"' + sep + '"Bob"' + comma + '"ag', 'x"' + sep + "1}"),
         (GrammarSpec.from_json_schema(PERSON), '{"name"' + sep + '"Bob"', "}"),
@@ -166,13 +184,13 @@ def test_invalid_rejected_at_the_right_token(backend, tokenizer):
         text, first_bad = prefix + rest, len(prefix)
         m = compiled(backend, spec).matcher()
         ids = ids_of(tokenizer, text)
-        ends = [len(tokenizer.decode(ids[:k + 1])) for k in range(len(ids))]
+        ends = [len(tokenizer.decode(ids[: k + 1])) for k in range(len(ids))]
         k_bad = next(k for k, e in enumerate(ends) if e > first_bad)
         for k, t in enumerate(ids[:k_bad]):
             assert m.accept(t), (backend.name, text, k)
         before, forced = mask_of(m), m.forced_text()
         assert not m.accept(ids[k_bad]), (backend.name, text, k_bad)
-        assert torch.equal(mask_of(m), before) and m.forced_text() == forced   # state unchanged
+        assert torch.equal(mask_of(m), before) and m.forced_text() == forced  # state unchanged
         assert m.num_accepted == k_bad
         assert m.accept(EOS) == m.can_end() and not m.accept(1) and not m.accept(VOCAB + 5)
 
@@ -189,7 +207,7 @@ def test_mask_agrees_with_accept(backend, tokenizer):
             allowed = allowed_set(m)
             assert allowed, (backend.name, kind, pos)
             assert (EOS in allowed) == m.can_end()
-            assert not allowed & {0, 1, 3, 16}                  # special tokens never
+            assert not allowed & {0, 1, 3, 16}  # special tokens never
             sample = set(torch.randint(0, VOCAB, (60,), generator=gen).tolist()) | {EOS, 1, 17}
             al = sorted(allowed)
             sample |= {al[i] for i in torch.randint(0, len(al), (30,), generator=gen).tolist()}
@@ -198,7 +216,7 @@ def test_mask_agrees_with_accept(backend, tokenizer):
                 assert ok == (t in allowed), (backend.name, kind, pos, t, tokenizer.convert_ids_to_tokens(t))
                 if ok:
                     m.rollback(1)
-            for t in sorted(sample)[:5]:                         # and a fresh matcher agrees
+            for t in sorted(sample)[:5]:  # and a fresh matcher agrees
                 fresh = g.matcher()
                 for u in ids[:pos]:
                     fresh.accept(u)
@@ -215,7 +233,7 @@ def test_rollback_restores_state(backend, tokenizer):
         assert m.accept(t)
     snapshots.append((mask_of(m), m.forced_text(), m.can_end()))
     assert m.accept(EOS) and m.is_finished()
-    m.rollback(1)                                       # un-accept EOS
+    m.rollback(1)  # un-accept EOS
     assert not m.is_finished() or m.can_end()
     assert torch.equal(mask_of(m), snapshots[-1][0])
     for n in (3, 2, len(ids) - 5):
@@ -224,23 +242,30 @@ def test_rollback_restores_state(backend, tokenizer):
         assert torch.equal(mask_of(m), mask) and m.forced_text() == forced and m.can_end() == can_end
     with pytest.raises(ValueError):
         m.rollback(m.num_accepted + 1)
-    for t in ids[m.num_accepted:]:                     # and it walks on to the end again
+    for t in ids[m.num_accepted :]:  # and it walks on to the end again
         assert m.accept(t)
     assert m.can_end() and m.accept(EOS)
 
 
 def test_forced_text(backend, tokenizer):
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "kind": {"const": "user"},
-                                               "tags": {"type": "array", "items": {"type": "string"}}},
-              "required": ["name", "kind", "tags"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "kind": {"const": "user"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+        },
+        "required": ["name", "kind", "tags"],
+        "additionalProperties": False,
+    }
     m = compiled(backend, GrammarSpec.from_json_schema(schema)).matcher()
     forced = m.forced_text()
     assert forced.startswith('{"'), (backend.name, forced)
     sep = ":" if backend.name == "outlines" else ": "
     assert forced == '{"name' + '"' + sep + '"', (backend.name, forced)
-    for t in ids_of(tokenizer, forced + "Al"):         # accept the forced text (re-tokenized) and go on
+    for t in ids_of(tokenizer, forced + "Al"):  # accept the forced text (re-tokenized) and go on
         assert m.accept(t)
-    assert m.forced_text() == ""                       # inside a free string
+    assert m.forced_text() == ""  # inside a free string
     for t in ids_of(tokenizer, '"'):
         assert m.accept(t)
     comma = "," if backend.name == "outlines" else ", "
@@ -248,21 +273,23 @@ def test_forced_text(backend, tokenizer):
     m = compiled(backend, GrammarSpec.from_choices(["hello world", "hello there"])).matcher()
     assert m.forced_text() == "hello "
     m = compiled(backend, GrammarSpec.from_regex(r"ab(cd|ce)")).matcher()
-    assert m.forced_text() in ("abc", "ab")            # outlines stops at the token boundary
+    assert m.forced_text() in ("abc", "ab")  # outlines stops at the token boundary
 
 
 def test_invalid_specs_raise(backend):
-    bad = [GrammarSpec("json_schema", '{"type": "strin"}'),
-           GrammarSpec("json_schema", '{"type": "object", "properties": {"a": {"$ref": "#/nope"}}}'),
-           GrammarSpec("json_schema", '{"type": "obj'),
-           GrammarSpec("json_schema", '[1, 2]'),
-           GrammarSpec("regex", "[a-"),
-           GrammarSpec("regex", "(ab"),
-           GrammarSpec("choice", '"abc"'),
-           GrammarSpec("choice", '[]'),
-           GrammarSpec("ebnf", 'root ::= undefined_rule'),
-           GrammarSpec("ebnf", 'root ::= "a" ('),
-           GrammarSpec("ebnf", 'rot ::= "a"')]
+    bad = [
+        GrammarSpec("json_schema", '{"type": "strin"}'),
+        GrammarSpec("json_schema", '{"type": "object", "properties": {"a": {"$ref": "#/nope"}}}'),
+        GrammarSpec("json_schema", '{"type": "obj'),
+        GrammarSpec("json_schema", '[1, 2]'),
+        GrammarSpec("regex", "[a-"),
+        GrammarSpec("regex", "(ab"),
+        GrammarSpec("choice", '"abc"'),
+        GrammarSpec("choice", '[]'),
+        GrammarSpec("ebnf", 'root ::= undefined_rule'),
+        GrammarSpec("ebnf", 'root ::= "a" ('),
+        GrammarSpec("ebnf", 'rot ::= "a"'),
+    ]
     for spec in bad:
         with pytest.raises(GrammarError) as e:
             backend.compile(spec)
@@ -277,7 +304,7 @@ def test_larger_model_vocab(tokenizer, backend):
     bm = allocate_token_bitmask(2, VOCAB + 40)
     m.fill_mask(bm, 1)
     bits = unpack_bitmask(bm, VOCAB + 40)
-    assert bits[0].all()                                # the other row untouched
+    assert bits[0].all()  # the other row untouched
     assert not bits[1, VOCAB:].any() and bits[1, :VOCAB].sum() > 1000
     assert not m.accept(VOCAB + 3)
 
@@ -286,14 +313,23 @@ def test_larger_model_vocab(tokenizer, backend):
 def test_random_walks_validate(backend, tokenizer, seed):
     jsonschema = pytest.importorskip("jsonschema")
     schemas = [
-        {"type": "object", "properties": {"ok": {"type": "boolean"},
-                                          "color": {"enum": ["red", "green", "blue"]},
-                                          "code": {"type": "string", "maxLength": 4}},
-         "required": ["ok", "color", "code"], "additionalProperties": False},
+        {
+            "type": "object",
+            "properties": {
+                "ok": {"type": "boolean"},
+                "color": {"enum": ["red", "green", "blue"]},
+                "code": {"type": "string", "maxLength": 4},
+            },
+            "required": ["ok", "color", "code"],
+            "additionalProperties": False,
+        },
         {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3},
-        {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[a-c]{2}[0-9]$"},
-                                          "on": {"type": "null"}},
-         "required": ["id"], "additionalProperties": False},
+        {
+            "type": "object",
+            "properties": {"id": {"type": "string", "pattern": "^[a-c]{2}[0-9]$"}, "on": {"type": "null"}},
+            "required": ["id"],
+            "additionalProperties": False,
+        },
     ]
     regexes = [r"[a-z]{1,6}@[a-z]{2,4}\.(com|org)", r"(yes|no|maybe)( [0-9]{1,2})?"]
     gen = torch.Generator().manual_seed(seed)
@@ -321,11 +357,12 @@ def test_random_walks_validate(backend, tokenizer, seed):
 
 # --------------------------------------------------------------------------- bitmask
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_apply_token_bitmask(dtype):
     gen = torch.Generator().manual_seed(0)
     for vocab, logit_width in ((VOCAB, VOCAB), (1000, 1000), (1000, 1030), (1003, 1003)):
-        bm = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
+        bm = torch.randint(-(2**31), 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
         logits = torch.randn(3, logit_width, generator=gen).to(dtype)
         ref = logits.clone()
         allowed = unpack_bitmask(bm, logit_width)
@@ -334,8 +371,8 @@ def test_apply_token_bitmask(dtype):
             out = logits.clone()
             fn(out, bm)
             assert torch.equal(out, ref), (fn, vocab, logit_width, dtype)
-            assert torch.isinf(out[:, bm.shape[1] * 32:]).all()   # past the bitmask: never allowed
-    with torch.inference_mode():       # as the model's logits are: in-place ops must still work outside
+            assert torch.isinf(out[:, bm.shape[1] * 32 :]).all()  # past the bitmask: never allowed
+    with torch.inference_mode():  # as the model's logits are: in-place ops must still work outside
         made = torch.randn(3, VOCAB).to(dtype)
     apply_token_bitmask_(made, torch.zeros(3, VOCAB // 32, dtype=torch.int32))
     assert torch.isinf(made).all()
@@ -357,6 +394,7 @@ def test_bitmask_helpers():
 
 # --------------------------------------------------------------------------- cache
 
+
 class _SlowBackend(GrammarBackend):
     name = "slow"
 
@@ -373,6 +411,7 @@ class _SlowBackend(GrammarBackend):
         class G(Grammar):
             def matcher(self):
                 raise NotImplementedError
+
         g = G()
         g.spec = spec
         return g
@@ -385,13 +424,13 @@ def test_cache_same_object_and_off_thread(tokenizer):
         t0 = time.perf_counter()
         f1 = cache.submit(GrammarSpec.from_regex("a+"))
         f2 = cache.submit(GrammarSpec.from_regex("a+"))
-        assert time.perf_counter() - t0 < 0.1 and not f1.done()          # never blocks the caller
+        assert time.perf_counter() - t0 < 0.1 and not f1.done()  # never blocks the caller
         assert f1 is f2 and f1.result(5) is f2.result(5)
         assert cache.get(GrammarSpec.from_regex("a+")) is f1.result()
         assert len(be.calls) == 1 and be.calls[0][1].startswith("plait-grammar")
         with pytest.raises(GrammarError, match="bad spec"):
             cache.get(GrammarSpec.from_regex("bad"), timeout=5)
-        assert cache.submit(GrammarSpec.from_regex("bad")).exception() is not None   # cached failure
+        assert cache.submit(GrammarSpec.from_regex("bad")).exception() is not None  # cached failure
         assert len(be.calls) == 2 and cache.stats()["hits"] >= 3
     finally:
         cache.shutdown()
@@ -405,7 +444,7 @@ def test_cache_timeout_then_late_result():
         with pytest.raises(GrammarError, match="compiling took longer than 0.2 s"):
             cache.get(spec, timeout=5)
         time.sleep(0.7)
-        assert cache.get(spec, timeout=5).spec == spec     # the late compile replaced the error
+        assert cache.get(spec, timeout=5).spec == spec  # the late compile replaced the error
     finally:
         cache.shutdown()
 
@@ -432,15 +471,22 @@ def test_auto_backend_routes_and_falls_back(tokenizer):
     assert be.compile(GrammarSpec.from_regex("[0-9]+")).backend_name == "xgrammar"
     assert be.compile(GrammarSpec.from_choices(["yes", "no"])).backend_name == "xgrammar"
     # uniqueItems over objects, overlapping oneOf: llguidance relaxes them (ignored; read as anyOf)
-    for approx in ({"type": "array", "uniqueItems": True,
-                    "items": {"type": "object", "properties": {"a": {"type": "integer"}}}},
-                   {"type": "array", "items": {"oneOf": [{"type": "integer"}, {"minimum": 0}]}}):
+    for approx in (
+        {"type": "array", "uniqueItems": True, "items": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+        {"type": "array", "items": {"oneOf": [{"type": "integer"}, {"minimum": 0}]}},
+    ):
         g = be.compile(GrammarSpec.from_json_schema(approx))
         assert g.backend_name == "llguidance" and g.approximate
     assert not be.compile(GrammarSpec.from_json_schema(PERSON)).approximate
     # a look-around in a pattern: llguidance refuses it outright, xgrammar takes the schema
-    approx = {"type": "array", "items": {"type": "object", "properties": {"a": {"type": "integer"}},
-                                         "patternProperties": {"^(?!a)b$": {"type": "string"}}}}
+    approx = {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "patternProperties": {"^(?!a)b$": {"type": "string"}},
+        },
+    }
     with pytest.raises(GrammarError, match="look-around"):
         make_backend("llguidance", tokenizer, VOCAB).compile(GrammarSpec.from_json_schema(approx))
     g = be.compile(GrammarSpec.from_json_schema(approx))
@@ -452,7 +498,7 @@ def test_auto_backend_routes_and_falls_back(tokenizer):
 
 
 def test_one_of_over_required_keys_is_enforced_exactly(tokenizer):
-    """"Either these keys or those": the rewrite accepts only documents valid under the `oneOf`
+    """ "Either these keys or those": the rewrite accepts only documents valid under the `oneOf`
     (checked with jsonschema over every subset of keys and a non-object), and llguidance enforces
     it without relaxing anything."""
     import itertools
@@ -460,17 +506,23 @@ def test_one_of_over_required_keys_is_enforced_exactly(tokenizer):
     import jsonschema
 
     from plait.grammar.schema_rewrite import exclusive_required
-    for branches in ([{"required": ["a"]}, {"required": ["b"]}],
-                     [{"required": ["a", "b"]}, {"required": ["c", "d"]}, {"required": ["e"], "title": "t"}],
-                     [{"required": ["a"]}, {"required": ["a", "b"]}]):
+
+    for branches in (
+        [{"required": ["a"]}, {"required": ["b"]}],
+        [{"required": ["a", "b"]}, {"required": ["c", "d"]}, {"required": ["e"], "title": "t"}],
+        [{"required": ["a"]}, {"required": ["a", "b"]}],
+    ):
         one_of, any_of = {"oneOf": branches}, {"anyOf": exclusive_required(branches)}
         keys = sorted({k for b in branches for k in b["required"]})
         docs = [dict.fromkeys(c, 1) for n in range(len(keys) + 1) for c in itertools.combinations(keys, n)]
         accepted = [d for d in docs + [1, "x"] if jsonschema.Draft202012Validator(any_of).is_valid(d)]
         assert accepted and all(jsonschema.Draft202012Validator(one_of).is_valid(d) for d in accepted)
     assert exclusive_required([{"required": ["a"]}, {"type": "string"}]) is None
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-              "oneOf": [{"required": ["a"]}, {"required": ["b"]}]}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "oneOf": [{"required": ["a"]}, {"required": ["b"]}],
+    }
     g = make_backend("auto", tokenizer, VOCAB).compile(GrammarSpec.from_json_schema(schema))
     assert g.backend_name == "llguidance" and not g.approximate
     for text, ok in (('{"a": 1}', True), ('{"b": 2}', True), ('{"a": 1, "b": 2}', False), ("{}", False)):
@@ -478,21 +530,34 @@ def test_one_of_over_required_keys_is_enforced_exactly(tokenizer):
         assert (all(m.accept(t) for t in ids_of(tokenizer, text)) and m.can_end()) == ok, text
 
 
-ELM_LIKE = {   # an if/then/else chain keyed on one property (JSONSchemaBench's elm.json)
-    "type": "object", "required": ["type"],
+ELM_LIKE = {  # an if/then/else chain keyed on one property (JSONSchemaBench's elm.json)
+    "type": "object",
+    "required": ["type"],
     "properties": {"type": {"enum": ["application", "package"]}},
     "if": {"properties": {"type": {"enum": ["package"]}}},
     "then": {"$ref": "#/definitions/package"},
-    "else": {"if": {"properties": {"type": {"const": "application"}}},
-             "then": {"required": ["dirs"], "properties": {"dirs": {"type": "array"}}}},
-    "definitions": {"package": {"properties": {"name": {"type": "string"}}, "required": ["name"]}}}
+    "else": {
+        "if": {"properties": {"type": {"const": "application"}}},
+        "then": {"required": ["dirs"], "properties": {"dirs": {"type": "array"}}},
+    },
+    "definitions": {"package": {"properties": {"name": {"type": "string"}}, "required": ["name"]}},
+}
 SAUCE_LIKE = {  # allOf of bare if/then keyed on two properties, a then with $refs into itself (saucectl)
-    "type": "object", "properties": {"kind": {"enum": ["a", "b", "c"]}, "v": {}},
-    "allOf": [{"if": {"properties": {"kind": {"const": "a"}, "v": {"const": 1}}},
-               "then": {"required": ["x"], "properties": {"x": {"$ref": "#/allOf/0/then/definitions/n"}},
-                        "definitions": {"n": {"type": "integer"}}}},
-              {"if": {"properties": {"kind": {"const": "a"}, "v": {"const": 2}}}, "then": {"required": ["y"]}},
-              {"if": {"properties": {"kind": {"const": "b"}}}, "then": {"required": ["z"]}}]}
+    "type": "object",
+    "properties": {"kind": {"enum": ["a", "b", "c"]}, "v": {}},
+    "allOf": [
+        {
+            "if": {"properties": {"kind": {"const": "a"}, "v": {"const": 1}}},
+            "then": {
+                "required": ["x"],
+                "properties": {"x": {"$ref": "#/allOf/0/then/definitions/n"}},
+                "definitions": {"n": {"type": "integer"}},
+            },
+        },
+        {"if": {"properties": {"kind": {"const": "a"}, "v": {"const": 2}}}, "then": {"required": ["y"]}},
+        {"if": {"properties": {"kind": {"const": "b"}}}, "then": {"required": ["z"]}},
+    ],
+}
 
 
 @pytest.mark.parametrize("schema", [ELM_LIKE, SAUCE_LIKE], ids=["chain", "all_of"])
@@ -505,10 +570,19 @@ def test_conditionals_become_exact_branches(tokenizer, schema):
     import jsonschema
 
     from plait.grammar.schema_rewrite import conditional_branches
+
     rewritten = conditional_branches(schema)
     assert rewritten is not None and "if" not in json.dumps(rewritten)
-    values = {"type": ["application", "package", "other"], "kind": ["a", "b", "c"], "v": [1, 2],
-              "name": ["n"], "dirs": [[]], "x": [1, "s"], "y": [1], "z": [1]}
+    values = {
+        "type": ["application", "package", "other"],
+        "kind": ["a", "b", "c"],
+        "v": [1, 2],
+        "name": ["n"],
+        "dirs": [[]],
+        "x": [1, "s"],
+        "y": [1],
+        "z": [1],
+    }
     keys = [k for k in values if k in json.dumps(schema)]
     docs = []
     for n in range(len(keys) + 1):
@@ -520,20 +594,28 @@ def test_conditionals_become_exact_branches(tokenizer, schema):
     assert len(accepted) >= 4
     g = make_backend("auto", tokenizer, VOCAB).compile(GrammarSpec.from_json_schema(schema))
     assert g.backend_name == "llguidance" and not g.approximate
-    good, bad = ((['{"type": "package", "name": "n"}', '{"type": "application", "dirs": []}'],
-                  ['{"type": "package", "dirs": []}', '{"type": "application", "name": "n"}'])
-                 if schema is ELM_LIKE else
-                 (['{"kind": "a", "v": 1, "x": 3}', '{"kind": "b", "z": 1}'],
-                  ['{"kind": "a", "v": 1, "x": "s"}', '{"kind": "b", "y": 1}']))
+    good, bad = (
+        (
+            ['{"type": "package", "name": "n"}', '{"type": "application", "dirs": []}'],
+            ['{"type": "package", "dirs": []}', '{"type": "application", "name": "n"}'],
+        )
+        if schema is ELM_LIKE
+        else (
+            ['{"kind": "a", "v": 1, "x": 3}', '{"kind": "b", "z": 1}'],
+            ['{"kind": "a", "v": 1, "x": "s"}', '{"kind": "b", "y": 1}'],
+        )
+    )
     for text, ok in [(t, True) for t in good] + [(t, False) for t in bad]:
         m = g.matcher()
         assert (all(m.accept(t) for t in ids_of(tokenizer, text)) and m.can_end()) == ok, text
 
 
 ABSENT_LIKE = {  # not-required inside oneOf, dependencies of both kinds (JSONSchemaBench's o90940)
-    "type": "object", "properties": {"kind": {"enum": ["p", "q"]}, "a": {}, "b": {}, "c": {}, "d": {}},
+    "type": "object",
+    "properties": {"kind": {"enum": ["p", "q"]}, "a": {}, "b": {}, "c": {}, "d": {}},
     "oneOf": [{"required": ["a", "b"]}, {"allOf": [{"not": {"required": ["b"]}}, {"required": ["c"]}]}],
-    "dependencies": {"a": {"properties": {"kind": {"const": "p"}}}, "d": ["c"]}}
+    "dependencies": {"a": {"properties": {"kind": {"const": "p"}}}, "d": ["c"]},
+}
 
 
 def test_keys_kept_out_are_enforced_exactly(tokenizer):
@@ -545,19 +627,29 @@ def test_keys_kept_out_are_enforced_exactly(tokenizer):
     import jsonschema
 
     from plait.grammar.schema_rewrite import strict_schema
+
     rewritten = strict_schema(ABSENT_LIKE, close=False)
     assert "not" not in json.dumps(rewritten) and "dependencies" not in rewritten
     assert strict_schema({"properties": {"x": {"not": {}}}})["properties"]["x"] is False
     values = {"kind": ["p", "q"], "a": [1], "b": [1], "c": [1], "d": [1]}
-    docs = [dict(zip(chosen, vals)) for n in range(6) for chosen in itertools.combinations(values, n)
-            for vals in itertools.product(*(values[k] for k in chosen))]
+    docs = [
+        dict(zip(chosen, vals))
+        for n in range(6)
+        for chosen in itertools.combinations(values, n)
+        for vals in itertools.product(*(values[k] for k in chosen))
+    ]
     original, rewrite = jsonschema.Draft7Validator(ABSENT_LIKE), jsonschema.Draft7Validator(rewritten)
     accepted = [d for d in docs if rewrite.is_valid(d)]
     assert len(accepted) >= 4 and all(original.is_valid(d) for d in accepted)
     g = make_backend("auto", tokenizer, VOCAB).compile(GrammarSpec.from_json_schema(ABSENT_LIKE))
     assert g.backend_name == "llguidance" and not g.approximate
-    for text, ok in (('{"kind": "p", "a": 1, "b": 2}', True), ('{"kind": "q", "a": 1, "b": 2}', False),
-                     ('{"c": 1}', True), ('{"b": 1, "c": 1}', False), ('{"c": 1, "d": 1}', False)):
+    for text, ok in (
+        ('{"kind": "p", "a": 1, "b": 2}', True),
+        ('{"kind": "q", "a": 1, "b": 2}', False),
+        ('{"c": 1}', True),
+        ('{"b": 1, "c": 1}', False),
+        ('{"c": 1, "d": 1}', False),
+    ):
         m = g.matcher()
         assert (all(m.accept(t) for t in ids_of(tokenizer, text)) and m.can_end()) == ok, text
 
@@ -566,11 +658,18 @@ def test_strict_mode_forbids_undeclared_keys(tokenizer):
     """xgrammar, llguidance and auto close objects that declare properties (strict mode, the
     default) so the model stops after the declared keys; strict_mode=False follows JSON Schema."""
     from plait.grammar.schema_rewrite import strict_schema
-    nested = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
-                                               "c": {"enum": [{"properties": 1}]}},
-              "allOf": [{"properties": {"x": {}}}], "$defs": {"d": {"properties": {"e": {}}}}}
+
+    nested = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+            "c": {"enum": [{"properties": 1}]},
+        },
+        "allOf": [{"properties": {"x": {}}}],
+        "$defs": {"d": {"properties": {"e": {}}}},
+    }
     s = strict_schema(nested)
-    assert "additionalProperties" not in s                       # has allOf: its branches add keys
+    assert "additionalProperties" not in s  # has allOf: its branches add keys
     assert s["properties"]["a"]["additionalProperties"] is False
     assert s["properties"]["c"] == {"enum": [{"properties": 1}]}  # data, not a schema
     assert "additionalProperties" not in s["allOf"][0]
@@ -580,14 +679,18 @@ def test_strict_mode_forbids_undeclared_keys(tokenizer):
     extra = ids_of(tokenizer, '{"name": "a", "age": 1, "x": 2}')
     for name in ("xgrammar", "llguidance", "auto"):
         for strict in (True, False):
-            m = make_backend(name, tokenizer, VOCAB, strict_mode=strict).compile(
-                GrammarSpec.from_json_schema(PERSON)).matcher()
+            m = (
+                make_backend(name, tokenizer, VOCAB, strict_mode=strict)
+                .compile(GrammarSpec.from_json_schema(PERSON))
+                .matcher()
+            )
             walked = all(m.accept(t) for t in extra) and m.can_end()
             assert walked is (not strict), (name, strict)
 
 
 def test_auto_backend_without_llguidance(tokenizer, monkeypatch):
     import plait.grammar as pg
+
     monkeypatch.setattr(pg, "available_backends", lambda: ["xgrammar", "outlines"])
     be = make_backend("auto", tokenizer, VOCAB)
     assert set(be.backends) == {"xgrammar"}
@@ -598,6 +701,7 @@ def test_auto_backend_without_llguidance(tokenizer, monkeypatch):
 
 def test_make_backend_errors(tokenizer, monkeypatch):
     import plait.grammar as pg
+
     with pytest.raises(ValueError, match="unknown grammar backend"):
         make_backend("nope", tokenizer, VOCAB)
     monkeypatch.setitem(pg.BACKENDS, "missing", (".no_such_backend_module", "X", "the-missing-package"))
@@ -609,15 +713,30 @@ def test_make_backend_errors(tokenizer, monkeypatch):
 # --------------------------------------------------------------------------- outlines guard
 
 # a realistic 16-property schema whose outlines-core Index grows past 1 GB (it used > 20 GB)
-BLOWUP = {"type": "object", "properties": {
-    "id": {"type": "integer"}, "name": {"type": "string"}, "email": {"type": "string", "format": "email"},
-    "age": {"type": "integer", "minimum": 0}, "score": {"type": "number"}, "active": {"type": "boolean"},
-    "tags": {"type": "array", "items": {"type": "string"}}, "created": {"type": "string", "format": "date-time"},
-    "url": {"type": "string", "format": "uri"}, "status": {"type": "string", "enum": ["a", "b", "c"]},
-    "address": {"type": "object", "properties": {"street": {"type": "string"}, "city": {"type": "string"},
-                                                 "zip": {"type": "string"}}},
-    "phone": {"type": "string", "pattern": "^[0-9]{3}-[0-9]{4}$"}, "notes": {"type": "string", "maxLength": 200},
-    "rating": {"type": "number"}, "uuid": {"type": "string", "format": "uuid"}, "count": {"type": "integer"}}}
+BLOWUP = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "name": {"type": "string"},
+        "email": {"type": "string", "format": "email"},
+        "age": {"type": "integer", "minimum": 0},
+        "score": {"type": "number"},
+        "active": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "created": {"type": "string", "format": "date-time"},
+        "url": {"type": "string", "format": "uri"},
+        "status": {"type": "string", "enum": ["a", "b", "c"]},
+        "address": {
+            "type": "object",
+            "properties": {"street": {"type": "string"}, "city": {"type": "string"}, "zip": {"type": "string"}},
+        },
+        "phone": {"type": "string", "pattern": "^[0-9]{3}-[0-9]{4}$"},
+        "notes": {"type": "string", "maxLength": 200},
+        "rating": {"type": "number"},
+        "uuid": {"type": "string", "format": "uuid"},
+        "count": {"type": "integer"},
+    },
+}
 
 
 def test_outlines_blowup_guard(tokenizer):
@@ -626,7 +745,7 @@ def test_outlines_blowup_guard(tokenizer):
     t0 = time.perf_counter()
     with pytest.raises(GrammarError, match="memory limit of 64 MiB"):
         be.compile(GrammarSpec.from_json_schema(BLOWUP))
-    assert time.perf_counter() - t0 < 60      # bounded (the child's start-up is slow on a loaded machine)
+    assert time.perf_counter() - t0 < 60  # bounded (the child's start-up is slow on a loaded machine)
     be2 = make_backend("outlines", tokenizer, VOCAB, max_memory_mb=4096, compile_timeout_s=0.5)
     cache = GrammarCache(be2, compile_timeout_s=10)
     try:

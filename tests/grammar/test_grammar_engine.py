@@ -9,6 +9,7 @@ no backend checks month lengths). Length: xgrammar does not bound an email / uri
 maxLength nor the fractional seconds of a date-time / time, so a request whose schema has one of
 those (schema_corpus.free_length) may run on until max_new_tokens; such cuts are counted and
 reported, and every other schema must finish."""
+
 from __future__ import annotations
 
 import json
@@ -19,28 +20,29 @@ from collections import Counter
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/: schema_corpus
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: schema_corpus
 import schema_corpus as sc  # noqa: E402
 from conftest import assert_no_leak  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
 SEEDS = int(os.environ.get("PLAIT_GRAMMAR_SEEDS", "3"))
-MAX_NEW_TOKENS = 300          # the longest valid corpus output seen is ~215 tokens
+MAX_NEW_TOKENS = 300  # the longest valid corpus output seen is ~215 tokens
 VOCAB = 49152
 
 
 @pytest.fixture(scope="module")
 def engine():
     import plait
-    with plait.Engine(model="smollm2", dtype="float32", max_total_tokens=49152,
-                      max_running_requests=256) as eng:
+
+    with plait.Engine(model="smollm2", dtype="float32", max_total_tokens=49152, max_running_requests=256) as eng:
         yield eng
 
 
 def chat(engine, text: str) -> str:
-    return engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                add_generation_prompt=True)
+    return engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def sampled(seed: int, **grammar) -> dict:
@@ -53,16 +55,18 @@ def xgr_backend(smollm2_path):
     from transformers import AutoTokenizer
 
     from plait.grammar import make_backend
+
     return make_backend("xgrammar", AutoTokenizer.from_pretrained(smollm2_path), VOCAB, eos_token_ids=[2])
 
 
 def walks(backend, tokenizer, schema, value: str) -> bool:
     from plait.grammar import GrammarSpec
+
     m = backend.compile(GrammarSpec.from_json_schema(schema)).matcher()
     return all(m.accept(t) for t in tokenizer.encode(value, add_special_tokens=False)) and m.can_end()
 
 
-FORMAT_CASES = {   # format: (valid, malformed)
+FORMAT_CASES = {  # format: (valid, malformed)
     "date": ("2024-01-31", "2024-13-01"),
     "date-time": ("2024-01-31T10:20:30Z", "2024-01-31 10:20:30"),
     "time": ("10:20:30+01:00", "10:20"),
@@ -92,13 +96,16 @@ def test_xgrammar_format_with_max_length(xgr_backend):
     assert not walks(xgr_backend, xgr_backend.info.tokenizer, schema, json.dumps("a" * 40 + "@example.com"))
 
 
-@pytest.mark.xfail(strict=True, reason="xgrammar 0.2.9: in a JSON-schema pattern, an optional group whose body "
-                                       "has a variable repetition loses its leading literal")
+@pytest.mark.xfail(
+    strict=True,
+    reason="xgrammar 0.2.9: in a JSON-schema pattern, an optional group whose body "
+    "has a variable repetition loses its leading literal",
+)
 def test_xgrammar_pattern_optional_group(xgr_backend):
     tok = xgr_backend.info.tokenizer
     schema = {"type": "string", "pattern": "^[a-z]{1,5}(:[A-Z]{1,10})?$"}
     assert walks(xgr_backend, tok, schema, '"abc:TAG"')
-    assert not walks(xgr_backend, tok, schema, '"aB"')          # no ':' — accepted by xgrammar
+    assert not walks(xgr_backend, tok, schema, '"aB"')  # no ':' — accepted by xgrammar
 
 
 # --- the corpus -----------------------------------------------------------------------------------
@@ -111,7 +118,7 @@ def test_corpus_outputs_validate(engine, capsys):
             prompts.append(sc.prompt_for(engine.tokenizer, name))
             params.append(sampled(1000 + seed, json_schema=schema))
             owners.append((name, schema, seed))
-    outs = engine.generate(prompts, params)                    # one batch: all run concurrently
+    outs = engine.generate(prompts, params)  # one batch: all run concurrently
     assert len(outs) == len(owners)
     counts: Counter = Counter()
     bad, cut_bounded = [], []
@@ -128,9 +135,10 @@ def test_corpus_outputs_validate(engine, capsys):
     with capsys.disabled():
         print(f"\n[grammar corpus] {len(sc.SCHEMAS)} schemas x {SEEDS} seeds: {dict(counts)}")
     assert not bad, "completed outputs that do not validate:\n" + "\n".join(bad)
-    assert not cut_bounded, ("outputs cut by max_new_tokens although every string of their schema is "
-                             "bounded:\n" + "\n".join(cut_bounded))
-    assert counts["valid"] >= 0.85 * len(outs)              # free-length cuts stay a minority
+    assert not cut_bounded, (
+        "outputs cut by max_new_tokens although every string of their schema is bounded:\n" + "\n".join(cut_bounded)
+    )
+    assert counts["valid"] >= 0.85 * len(outs)  # free-length cuts stay a minority
     assert_no_leak(engine)
 
 
@@ -214,22 +222,37 @@ def test_arith_parser_self_check():
 @pytest.fixture(scope="module")
 def misc_outputs(engine):
     """Regex, choice, EBNF and json-object requests, several seeds each, in one batch."""
-    items = []   # (kind, key, prompt, params)
+    items = []  # (kind, key, prompt, params)
     for key, rx in REGEXES.items():
         for seed in range(SEEDS):
             items.append(("regex", key, chat(engine, f"Write a {key}."), sampled(seed, regex=rx)))
     for key, choices in CHOICES.items():
         for seed in range(SEEDS):
-            items.append(("choice", key, chat(engine, f"Pick one: {', '.join(choices)}."),
-                          sampled(seed, choices=choices)))
+            items.append(
+                ("choice", key, chat(engine, f"Pick one: {', '.join(choices)}."), sampled(seed, choices=choices))
+            )
     for seed in range(SEEDS):
         items.append(("ebnf", "arith", chat(engine, "Write an arithmetic expression."), sampled(seed, ebnf=ARITH_EBNF)))
-        items.append(("ebnf", "kv", chat(engine, "List some settings as key=value pairs."), sampled(seed, ebnf=KV_EBNF)))
-    items.append(("json_object", "greedy", chat(engine, "Describe a cat as a JSON object."),
-                  {"json_schema": '{"type": "object"}', "temperature": 0, "max_new_tokens": MAX_NEW_TOKENS}))
+        items.append(
+            ("ebnf", "kv", chat(engine, "List some settings as key=value pairs."), sampled(seed, ebnf=KV_EBNF))
+        )
+    items.append(
+        (
+            "json_object",
+            "greedy",
+            chat(engine, "Describe a cat as a JSON object."),
+            {"json_schema": '{"type": "object"}', "temperature": 0, "max_new_tokens": MAX_NEW_TOKENS},
+        )
+    )
     for seed in range(SEEDS):
-        items.append(("json_object", "sampled", chat(engine, "Describe a cat as a JSON object."),
-                      sampled(seed, json_schema='{"type": "object"}')))
+        items.append(
+            (
+                "json_object",
+                "sampled",
+                chat(engine, "Describe a cat as a JSON object."),
+                sampled(seed, json_schema='{"type": "object"}'),
+            )
+        )
     outs = engine.generate([p for _, _, p, _ in items], [q for _, _, _, q in items])
     return [(kind, key, q, out) for (kind, key, _, q), out in zip(items, outs)]
 
@@ -263,7 +286,7 @@ def test_ebnf_outputs(misc_outputs):
         if key == "arith":
             parse_arith(o["text"])
             try:
-                eval(o["text"], {"__builtins__": {}})      # digits, + - * / and parentheses only
+                eval(o["text"], {"__builtins__": {}})  # digits, + - * / and parentheses only
             except ZeroDivisionError:
                 pass
         else:
@@ -282,9 +305,9 @@ def test_json_object_outputs(misc_outputs):
 def test_grammar_errors_abort_only_their_request(engine):
     prompt = chat(engine, "Say something.")
     bad = [
-        {"regex": "([a-z"},                                                       # invalid regex
-        {"ebnf": 'root ::= "a" ('},                                               # EBNF syntax error
-        {"json_schema": {"type": "string", "pattern": "(?<=a)b"}},                # unsupported (lookbehind)
+        {"regex": "([a-z"},  # invalid regex
+        {"ebnf": 'root ::= "a" ('},  # EBNF syntax error
+        {"json_schema": {"type": "string", "pattern": "(?<=a)b"}},  # unsupported (lookbehind)
         {"json_schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}},
     ]
     good = {"regex": r"[0-9]{3}"}
@@ -313,10 +336,14 @@ def test_malformed_specs_raise_at_submit(engine):
 
 
 def test_engine_serves_after_errors(engine):
-    out = engine.generate(chat(engine, "Is water wet?"),
-                          {"json_schema": {"type": "object", "properties": {"answer": {"type": "boolean"}},
-                                           "required": ["answer"]},
-                           "temperature": 0, "max_new_tokens": 32})
+    out = engine.generate(
+        chat(engine, "Is water wet?"),
+        {
+            "json_schema": {"type": "object", "properties": {"answer": {"type": "boolean"}}, "required": ["answer"]},
+            "temperature": 0,
+            "max_new_tokens": 32,
+        },
+    )
     assert out["meta_info"]["finish_reason"]["type"] == "stop"
     assert isinstance(json.loads(out["text"])["answer"], bool)
     plain = engine.generate("The capital of France is", {"temperature": 0, "max_new_tokens": 4})

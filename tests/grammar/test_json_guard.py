@@ -1,6 +1,7 @@
 """The JSON length guards (grammar/json_guard.py) against an adversary: a "model" that always
 picks the allowed token that makes the document longest (more digits, more string, one more array
 item). With the guards every document ends valid within max_tokens; without them it never ends."""
+
 from __future__ import annotations
 
 import json
@@ -15,15 +16,21 @@ from plait.grammar.json_guard import JsonGuard, JsonLimits, _scan, _State, guard
 
 VOCAB = 49152
 EOS = 2
-WANDER = {"type": "object",
-          "properties": {"x": {"type": "number"}, "s": {"type": "string"},
-                         "a": {"type": "array", "items": {"type": "integer"}}},
-          "required": ["x", "s", "a"]}
+WANDER = {
+    "type": "object",
+    "properties": {
+        "x": {"type": "number"},
+        "s": {"type": "string"},
+        "a": {"type": "array", "items": {"type": "integer"}},
+    },
+    "required": ["x", "s", "a"],
+}
 
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_path):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(smollm2_path)
 
 
@@ -88,14 +95,14 @@ def test_scan_tracks_numbers_strings_and_depth():
     s = _scan(_State(), b'{"a": [-12.345e+67')
     assert (s.in_number, s.part, s.run, s.depth, s.in_string) == (True, 2, 2, 2, False)
     s = _scan(_State(), '{"k": "ab\\"cé'.encode())
-    assert (s.in_string, s.str_len, s.depth) == (True, 5, 1)      # the escape is one character, é one
+    assert (s.in_string, s.str_len, s.depth) == (True, 5, 1)  # the escape is one character, é one
     s = _scan(s, b'"}')
     assert (s.in_string, s.depth) == (False, 0)
 
 
 def test_without_the_guards_the_adversary_never_ends(backend, info, adversary):
     """The control: the grammar alone lets it write digits / string until max_tokens."""
-    m = guard(backend, info, WANDER, JsonLimits(0, 0), 10 ** 6)
+    m = guard(backend, info, WANDER, JsonLimits(0, 0), 10**6)
     text, ended = walk(m, adversary, 300)
     assert not ended and text.startswith(b'{"x": ')
 
@@ -109,16 +116,18 @@ def test_guarded_documents_end_valid_within_max_tokens(backend, info, adversary,
     jsonschema.validate(doc, WANDER)
     whole, _, frac = text.split(b'"x": ')[1].split(b",")[0].lstrip(b"-").partition(b".")
     assert len(whole) <= 19 and len(frac.split(b"e")[0].split(b"E")[0]) <= 17
-    assert len(doc["s"]) <= 40 + 16           # the cap, plus at most one token's characters
+    assert len(doc["s"]) <= 40 + 16  # the cap, plus at most one token's characters
 
 
 def test_a_long_close_starts_early_enough(backend, info, adversary):
     """Twenty required keys, each an array the adversary keeps filling: the shortest close (each
     key spelt a character a token, as the adversary does) is ~180 tokens, so the guard must
     estimate it long before the last few dozen."""
-    schema = {"type": "object", "properties": {f"key_{i}": {"type": "array", "items": {"type": "integer"}}
-                                               for i in range(20)},
-              "required": [f"key_{i}" for i in range(20)]}
+    schema = {
+        "type": "object",
+        "properties": {f"key_{i}": {"type": "array", "items": {"type": "integer"}} for i in range(20)},
+        "required": [f"key_{i}" for i in range(20)],
+    }
     m = guard(backend, info, schema, JsonLimits(19, 40), 600)
     text, ended = walk(m, adversary, 600)
     assert ended, text[-200:]
@@ -129,9 +138,10 @@ def slow_walk(matcher, info, max_tokens: int) -> tuple[bytes, bool]:
     """A "model" whose closing choices take longer than the guard's walk: among the allowed
     tokens it takes the shortest (a key a character a token, `" "` before `""`), the highest id
     among equals."""
-    lengths = torch.tensor([len(b) if b else 10 ** 6 for b in info.token_bytes] +
-                           [10 ** 6] * (VOCAB - len(info.token_bytes)))
-    lengths[EOS] = 10 ** 5                  # EOS only where nothing else is allowed
+    lengths = torch.tensor(
+        [len(b) if b else 10**6 for b in info.token_bytes] + [10**6] * (VOCAB - len(info.token_bytes))
+    )
+    lengths[EOS] = 10**5  # EOS only where nothing else is allowed
     mask = allocate_token_bitmask(1, VOCAB)
     out = b""
     for _ in range(max_tokens):
@@ -154,18 +164,21 @@ def test_the_close_follows_the_walk_not_the_model(backend, info, max_tokens, mon
     document ends along the walk, so it still ends valid within max_tokens; left to pick among
     closing tokens, the model is cut (on xgrammar: llguidance lets a key be written only in its
     canonical tokens, so there the model cannot be slower than the walk)."""
-    schema = {"type": "object", "properties": {f"a_rather_long_key_name_{i}": {"type": "string"}
-                                               for i in range(12)},
-              "required": [f"a_rather_long_key_name_{i}" for i in range(12)]}
+    schema = {
+        "type": "object",
+        "properties": {f"a_rather_long_key_name_{i}": {"type": "string"} for i in range(12)},
+        "required": [f"a_rather_long_key_name_{i}" for i in range(12)],
+    }
     m = guard(backend, info, schema, JsonLimits(19, 40), max_tokens)
     text, ended = slow_walk(m, info, max_tokens)
     assert ended, text[-200:]
     jsonschema.validate(json.loads(text), schema)
     from plait.grammar import json_guard
-    monkeypatch.setattr(json_guard, "SOFT_FACTOR", 1)    # the control: no early closing zone, and
+
+    monkeypatch.setattr(json_guard, "SOFT_FACTOR", 1)  # the control: no early closing zone, and
     monkeypatch.setattr(json_guard, "SOFT_EXTRA", 0)
     m = guard(backend, info, schema, JsonLimits(19, 40), max_tokens)
-    m._path_failed = True                   # closing tiers only, the model picks among them
+    m._path_failed = True  # closing tiers only, the model picks among them
     text, ended = slow_walk(m, info, max_tokens)
     assert ended == (backend.name == "llguidance")
 
@@ -180,8 +193,11 @@ def test_no_new_item_that_cannot_fit(backend, info, adversary, max_tokens):
     fit: the estimate sees it only once it is open.)"""
     if backend.name != "llguidance":
         pytest.skip("xgrammar lets a key be spelt a character a token: see the docstring")
-    item = {"type": "object", "properties": {"key_0": {"type": "integer"}, "key_1": {"type": "integer"}},
-            "required": ["key_0", "key_1"]}
+    item = {
+        "type": "object",
+        "properties": {"key_0": {"type": "integer"}, "key_1": {"type": "integer"}},
+        "required": ["key_0", "key_1"],
+    }
     schema = {"type": "object", "properties": {"items": {"type": "array", "items": item}}, "required": ["items"]}
     m = guard(backend, info, schema, JsonLimits(19, 40), max_tokens)
     text, ended = walk(m, adversary, max_tokens)
@@ -191,9 +207,11 @@ def test_no_new_item_that_cannot_fit(backend, info, adversary, max_tokens):
 
 def test_the_schema_wins_over_the_caps(backend, info, adversary):
     """A minLength above the string cap and a minimum above the digit cap are still met."""
-    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 30},
-                                               "n": {"type": "integer", "minimum": 10 ** 12}},
-              "required": ["s", "n"]}
+    schema = {
+        "type": "object",
+        "properties": {"s": {"type": "string", "minLength": 30}, "n": {"type": "integer", "minimum": 10**12}},
+        "required": ["s", "n"],
+    }
     m = guard(backend, info, schema, JsonLimits(3, 5), 200)
     text, ended = walk(m, adversary, 200)
     assert ended, text
@@ -217,4 +235,4 @@ def test_only_json_grammars_are_guarded(backend, info):
     spec = GrammarSpec.from_regex("[0-9]+")
     inner = backend.compile(spec).matcher()
     assert guarded(inner, spec, info, JsonLimits(), 10) is inner
-    assert guard_tables(info) is guard_tables(info)      # built once per tokenizer
+    assert guard_tables(info) is guard_tables(info)  # built once per tokenizer

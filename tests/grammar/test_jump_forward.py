@@ -1,6 +1,7 @@
 """Jump-forward decoding: grammar-forced text is appended without sampling one token per step.
 Greedy requests verify the forced tokens against the model, so their text equals decoding
 without jump-forward; sampled ones take the re-tokenized forced text directly."""
+
 from __future__ import annotations
 
 import json
@@ -13,21 +14,32 @@ import plait
 
 pytestmark = pytest.mark.integration
 
-SCHEMA = {"type": "object",
-          "properties": {"first_name": {"type": "string", "maxLength": 20},
-                         "last_name": {"type": "string", "maxLength": 20},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                         "city": {"enum": ["Paris", "London", "Berlin"]},
-                         "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
-          "required": ["first_name", "last_name", "age", "city", "tags"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "first_name": {"type": "string", "maxLength": 20},
+        "last_name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"enum": ["Paris", "London", "Berlin"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["first_name", "last_name", "age", "city", "tags"],
+}
 
 
 def run(disable: bool, params: dict, n: int = 6, **engine_args) -> tuple[list[dict], dict]:
-    with plait.Engine(model="smollm2", dtype="float32", disable_jump_forward=disable,
-                      **{"max_total_tokens": 8192, **engine_args}) as eng:
+    with plait.Engine(
+        model="smollm2", dtype="float32", disable_jump_forward=disable, **{"max_total_tokens": 8192, **engine_args}
+    ) as eng:
         tok = eng.tokenizer
-        prompts = [tok.apply_chat_template([{"role": "user", "content": f"Describe person number {i} as JSON."}],
-                                           tokenize=False, add_generation_prompt=True) for i in range(n)]
+        prompts = [
+            tok.apply_chat_template(
+                [{"role": "user", "content": f"Describe person number {i} as JSON."}],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            for i in range(n)
+        ]
         outs = eng.generate(prompts, params)
         info = eng.get_server_info()
         assert_no_leak(eng)
@@ -68,8 +80,21 @@ def test_jump_forward_benchmark_runs(tiny_model_dirs, capsys):
     """`plait bench jump_forward` on a tiny model: jump-forward on and off give identical greedy
     text (its exit code) and the table is printed."""
     from plait.benchmarks import jump_forward
-    rc = jump_forward.main(["--model", tiny_model_dirs["llama"], "--concurrency", "2", "--rounds", "1",
-                            "--max-new-tokens", "24", "--num-threads", "1"])
+
+    rc = jump_forward.main(
+        [
+            "--model",
+            tiny_model_dirs["llama"],
+            "--concurrency",
+            "2",
+            "--rounds",
+            "1",
+            "--max-new-tokens",
+            "24",
+            "--num-threads",
+            "1",
+        ]
+    )
     out = capsys.readouterr().out
     assert "| concurrency | jump off req/s | jump on req/s |" in out
     assert rc == 0, out

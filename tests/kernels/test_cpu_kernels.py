@@ -5,6 +5,7 @@ attention against SDPA over padded rows and strided views, for the vectorized (h
 the plain (head_dim 8) paths, serial and split across threads. Every test runs once for each ISA
 path this host can execute (`cpu_kernels.host_paths()`: native, then AVX-512, AVX2, scalar builds as
 the CPU allows), each build loaded side by side under its own op namespace."""
+
 from __future__ import annotations
 
 import pytest
@@ -48,11 +49,11 @@ def assert_same(got: torch.Tensor, ref: torch.Tensor, reduced: bool = False) -> 
     else:
         off = got != ref
         assert off.float().mean() < 1e-3, f"{off.sum().item()} of {got.numel()} bfloat16 values differ"
-        torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -6, atol=0)   # <= 2 steps
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2**-6, atol=0)  # <= 2 steps
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 300])   # 300: split across threads
+@pytest.mark.parametrize("rows", [1, 3, 300])  # 300: split across threads
 def test_rms_norm_and_residual_add(dtype, rows):
     g = torch.Generator().manual_seed(rows)
     x = (3 * torch.randn(rows, 576, generator=g)).to(dtype)
@@ -62,7 +63,7 @@ def test_rms_norm_and_residual_add(dtype, rows):
     x_kernel, x_eager = x.clone(), x.clone()
     y = cpu_kernels.add_rms_norm_(x_kernel, delta, w, 1e-5)
     assert_same(y, eager(cpu_kernels.add_rms_norm_, x_eager, delta, w, 1e-5), reduced=True)
-    assert torch.equal(x_kernel, x_eager) and torch.equal(x_kernel, x + delta)   # the residual, in place
+    assert torch.equal(x_kernel, x_eager) and torch.equal(x_kernel, x + delta)  # the residual, in place
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -79,7 +80,7 @@ def test_rope_in_place_on_q_and_k_only(dtype, tokens):
     cpu_kernels.rope_(got, cos, sin, heads + kv_heads, d)
     eager(cpu_kernels.rope_, ref, cos, sin, heads + kv_heads, d)
     assert_same(got, ref)
-    assert torch.equal(got[:, (heads + kv_heads) * d:], qkv[:, (heads + kv_heads) * d:])   # v untouched
+    assert torch.equal(got[:, (heads + kv_heads) * d :], qkv[:, (heads + kv_heads) * d :])  # v untouched
     assert not torch.equal(got[:, :d], qkv[:, :d])
 
 
@@ -96,8 +97,8 @@ def sdpa_reference(q, k, v, lens, scale):
 
 
 @pytest.mark.parametrize("kv_dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128, 8])     # the AVX-512 paths and the plain one
-@pytest.mark.parametrize("rows,length", [(1, 37), (1, 700), (3, 300), (8, 1000)])   # (1, 700): keys split in two
+@pytest.mark.parametrize("head_dim", [64, 128, 8])  # the AVX-512 paths and the plain one
+@pytest.mark.parametrize("rows,length", [(1, 37), (1, 700), (3, 300), (8, 1000)])  # (1, 700): keys split in two
 # queries per KV head: 3 (SmolLM2), 1, 2, and 8 (scores in blocks of 3 + 3 + 2; values unrolled or not)
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 4), (16, 2)])
 def test_decode_attention_matches_sdpa(kv_dtype, head_dim, rows, length, heads, kv_heads):
@@ -109,11 +110,15 @@ def test_decode_attention_matches_sdpa(kv_dtype, head_dim, rows, length, heads, 
     q = torch.randn(rows, heads, head_dim, generator=g)
     lens = torch.randint(1, length + 1, (rows,), generator=g)
     lens[0] = length
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     got = cpu_kernels.decode_attention(q, k, v, lens, scale)
     torch.testing.assert_close(got, sdpa_reference(q, k, v, lens, scale), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(eager(cpu_kernels.decode_attention, q, k, v, lens, scale),
-                               sdpa_reference(q, k, v, lens, scale), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        eager(cpu_kernels.decode_attention, q, k, v, lens, scale),
+        sdpa_reference(q, k, v, lens, scale),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_decode_attention_split_keys_merge_exactly_enough():
@@ -143,10 +148,10 @@ def test_decode_attention_in_bfloat16_matches_sdpa(head_dim, heads, kv_heads, ro
     q = torch.randn(rows, heads, head_dim, generator=g).bfloat16()
     lens = torch.randint(1, length + 1, (rows,), generator=g)
     lens[0] = length
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     got = cpu_kernels.decode_attention(q, k, v, lens, scale)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), sdpa_reference(q.float(), k, v, lens, scale), rtol=2 ** -8, atol=1e-5)
+    torch.testing.assert_close(got.float(), sdpa_reference(q.float(), k, v, lens, scale), rtol=2**-8, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -160,8 +165,12 @@ def test_decode_attention_reads_each_rows_own_kv_row(dtype):
     rows = torch.tensor([3, 0, 5, 2])
     want = cpu_kernels.decode_attention(q, k[rows], v[rows], lens[rows], 0.125)
     assert torch.equal(cpu_kernels.decode_attention(q, k, v, lens, 0.125, rows), want)
-    torch.testing.assert_close(eager(cpu_kernels.decode_attention, q, k, v, lens, 0.125, rows), want,
-                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+    torch.testing.assert_close(
+        eager(cpu_kernels.decode_attention, q, k, v, lens, 0.125, rows),
+        want,
+        rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+        atol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+    )
     with pytest.raises(RuntimeError, match="out of range"):
         cpu_kernels.decode_attention(q, k, v, lens, 0.125, torch.tensor([3, 0, 6, 2]))
 
@@ -173,7 +182,7 @@ def test_decode_attention_rejects_bad_lengths():
 
 
 def test_non_contiguous_and_other_devices_fall_back():
-    x = torch.randn(4, 2 * 576)[:, ::2]          # a strided view: the eager op takes it
+    x = torch.randn(4, 2 * 576)[:, ::2]  # a strided view: the eager op takes it
     w = torch.rand(576)
     torch.testing.assert_close(cpu_kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5))
     assert not cpu_kernels.enabled(torch.randn(2, dtype=torch.float16))
@@ -183,8 +192,8 @@ def test_non_contiguous_and_other_devices_fall_back():
 @pytest.mark.parametrize("q_dtype", DTYPES)
 def test_decode_attention_takes_strided_queries_and_keeps_their_dtype(q_dtype):
     g = torch.Generator().manual_seed(1)
-    qkv = torch.randn(4, 15 * 64, generator=g).to(q_dtype)       # q is the first 9 heads of each row
-    q = qkv[:, :9 * 64].view(4, 9, 64)
+    qkv = torch.randn(4, 15 * 64, generator=g).to(q_dtype)  # q is the first 9 heads of each row
+    q = qkv[:, : 9 * 64].view(4, 9, 64)
     k, v = torch.randn(4, 3, 40, 64, generator=g), torch.randn(4, 3, 40, 64, generator=g)
     lens = torch.tensor([40, 3, 17, 1])
     got = cpu_kernels.decode_attention(q, k, v, lens, 0.125)
@@ -199,10 +208,10 @@ def test_decode_attention_takes_strided_queries_and_keeps_their_dtype(q_dtype):
 def test_kv_write_matches_index_copy(model_dtype, kv_dtype, mirror):
     g = torch.Generator().manual_seed(2)
     tokens, heads, d = 5, 3, 64
-    qkv = torch.randn(tokens, 15 * d, generator=g).to(model_dtype)   # k, v as views, like the model's
-    k, v = qkv[:, 9 * d:12 * d].view(tokens, heads, d), qkv[:, 12 * d:].view(tokens, heads, d)
+    qkv = torch.randn(tokens, 15 * d, generator=g).to(model_dtype)  # k, v as views, like the model's
+    k, v = qkv[:, 9 * d : 12 * d].view(tokens, heads, d), qkv[:, 12 * d :].view(tokens, heads, d)
     slots = torch.tensor([7, 0, 99, 3, 42])
-    at = torch.randperm(6 * heads * 16, generator=g)[:tokens * heads] if mirror else None
+    at = torch.randperm(6 * heads * 16, generator=g)[: tokens * heads] if mirror else None
     outs = []
     for fn in (cpu_kernels.kv_write_, lambda *a: eager(cpu_kernels.kv_write_, *a)):
         pool_k, pool_v = torch.zeros(100, heads, d, dtype=kv_dtype), torch.zeros(100, heads, d, dtype=kv_dtype)
@@ -224,7 +233,7 @@ def test_kv_write_rejects_out_of_range_slots():
         cpu_kernels.kv_write_(pool, pool.clone(), torch.tensor([4]), k, k)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 19])   # past 8: blocks of 8 rows, then the rest
+@pytest.mark.parametrize("rows", [1, 3, 8, 19])  # past 8: blocks of 8 rows, then the rest
 @pytest.mark.parametrize("x_dtype", DTYPES)
 def test_int8_gemv_is_the_exact_product_up_to_int16_activations(rows, x_dtype):
     if not cpu_kernels.int8_gemv_available():
@@ -236,10 +245,10 @@ def test_int8_gemv_is_the_exact_product_up_to_int16_activations(rows, x_dtype):
     got = cpu_kernels.ops.int8_gemv(x, w, scale)
     ref = (x.double() @ w.double().t()) * scale.double()
     assert got.dtype == torch.float32 and got.shape == (rows, 1000)
-    assert ((got.double() - ref).abs().max() / ref.abs().max()) < 1e-4   # bfloat16 activations: ~4e-3
+    assert ((got.double() - ref).abs().max() / ref.abs().max()) < 1e-4  # bfloat16 activations: ~4e-3
 
 
-@pytest.mark.parametrize("rows", [1, 6, 9, 33])   # blocks of 6 rows, then the rest
+@pytest.mark.parametrize("rows", [1, 6, 9, 33])  # blocks of 6 rows, then the rest
 @pytest.mark.parametrize("x_dtype", DTYPES)
 def test_int8_rows_is_int8_gemv_in_another_layout(rows, x_dtype):
     if not cpu_kernels.int8_rows_available():
@@ -249,13 +258,15 @@ def test_int8_rows_is_int8_gemv_in_another_layout(rows, x_dtype):
     scale = torch.rand(96, generator=g) / 50
     x = (torch.randn(rows, 640, generator=g) * torch.rand(640, generator=g) * 10).to(x_dtype)
     packed = cpu_kernels.int8_rows_pack(w)
-    assert packed.shape == (6, 320, 32) and torch.equal(packed[1, 3, 4:6], w[18, 6:8])   # output 16 + 2, k 6-7
+    assert packed.shape == (6, 320, 32) and torch.equal(packed[1, 3, 4:6], w[18, 6:8])  # output 16 + 2, k 6-7
     got = cpu_kernels.ops.int8_rows(x, packed, scale)
     ref = (x.double() @ w.double().t()) * scale.double()
     assert got.dtype == torch.float32 and got.shape == (rows, 96)
-    assert ((got.double() - ref).abs().max() / ref.abs().max()) < 1e-4   # int16 activations, as int8_gemv
+    assert ((got.double() - ref).abs().max() / ref.abs().max()) < 1e-4  # int16 activations, as int8_gemv
     # the same int32 block sums as int8_gemv's: equal up to float32 summation order
-    torch.testing.assert_close(got, cpu_kernels.ops.int8_gemv(x, w, scale), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    torch.testing.assert_close(
+        got, cpu_kernels.ops.int8_gemv(x, w, scale), rtol=1e-5, atol=1e-5 * ref.abs().max().item()
+    )
     with pytest.raises(RuntimeError, match=r"\[M >= 1, K\]"):
         cpu_kernels.ops.int8_rows(x[:, :64], packed, scale)
     with pytest.raises(ValueError, match="multiple of 16"):
@@ -264,6 +275,7 @@ def test_int8_rows_is_int8_gemv_in_another_layout(rows, x_dtype):
 
 def test_int8_linear_vnni_gemv_rows():
     from plait.runtime.layers.quantization import Int8Linear
+
     lin = Int8Linear(torch.randn(256, 128), None)
     x = torch.randn(2, 128)
     weight_only = lin(x.bfloat16()).float()
@@ -272,20 +284,21 @@ def test_int8_linear_vnni_gemv_rows():
     got = lin(x)
     ref = x @ lin.dequantized().t()
     assert got.dtype == torch.float32
-    assert (got - ref).abs().max() < 0.1 * (weight_only - ref).abs().max()   # closer than bf16 activations
-    many = torch.randn(9, 128)   # int8_rows, where it runs, takes every row count (the bf16 copy is dropped)
-    assert (lin.packed_rows is not None) == cpu_kernels.int8_rows_available() and \
-        (lin.packed_bf16 is None) == (lin.packed_rows is not None)
+    assert (got - ref).abs().max() < 0.1 * (weight_only - ref).abs().max()  # closer than bf16 activations
+    many = torch.randn(9, 128)  # int8_rows, where it runs, takes every row count (the bf16 copy is dropped)
+    assert (lin.packed_rows is not None) == cpu_kernels.int8_rows_available() and (lin.packed_bf16 is None) == (
+        lin.packed_rows is not None
+    )
     if lin.packed_rows is not None:
         ref9 = many @ lin.dequantized().t()
         assert (lin(many) - ref9).abs().max() < 1e-4 * ref9.abs().max()
     assert lin(many).shape == (9, 256) and lin(many.reshape(3, 3, 128)).shape == (3, 3, 256)
-    assert lin(torch.randn(0, 128)).shape == (0, 256)   # no rows (a step with no logits to take)
+    assert lin(torch.randn(0, 128)).shape == (0, 256)  # no rows (a step with no logits to take)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 12, 13, 32, 64, 200])   # row blocks of up to 12: 1, 2, 3, 6, 17
+@pytest.mark.parametrize("rows", [1, 2, 5, 12, 13, 32, 64, 200])  # row blocks of up to 12: 1, 2, 3, 6, 17
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,k", [(96, 64), (1000, 200), (64, 576), (48, 63)])   # 1000: a last panel of 8 columns
+@pytest.mark.parametrize("n,k", [(96, 64), (1000, 200), (64, 576), (48, 63)])  # 1000: a last panel of 8 columns
 def test_small_gemm_matches_linear(rows, dtype, n, k):
     if not cpu_kernels.small_gemm_available(dtype):
         pytest.skip("no AVX512BW/VL (or BF16) or AVX2")
@@ -301,18 +314,18 @@ def test_small_gemm_matches_linear(rows, dtype, n, k):
         got = cpu_kernels.ops.small_gemm(x, panels, b, n)
         ref = F.linear(x.double(), w.double(), None if b is None else b.double())
         assert got.dtype == dtype and got.shape == (rows, n)
-        if dtype == torch.float32:   # float32 sums in another order
+        if dtype == torch.float32:  # float32 sums in another order
             torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
-        else:                        # exact products, float32 sums, one bfloat16 rounding of the output
-            torch.testing.assert_close(got.double(), ref, rtol=2 ** -8, atol=1e-3)
-        widened = cpu_kernels.ops.small_gemm(x, panels, b, n, True)   # the same values, as float32
+        else:  # exact products, float32 sums, one bfloat16 rounding of the output
+            torch.testing.assert_close(got.double(), ref, rtol=2**-8, atol=1e-3)
+        widened = cpu_kernels.ops.small_gemm(x, panels, b, n, True)  # the same values, as float32
         assert widened.dtype == torch.float32 and torch.equal(widened, got.float())
 
 
 def test_small_gemm_rejects_what_it_does_not_take():
     w = torch.randn(40, 64)
     panels = cpu_kernels.pack_panels(w)
-    assert panels.shape == (2, 64, 32) and (panels[1, :, 8:] == 0).all()   # padding columns
+    assert panels.shape == (2, 64, 32) and (panels[1, :, 8:] == 0).all()  # padding columns
     with pytest.raises(RuntimeError, match=r"\[M >= 1, K\]"):
         cpu_kernels.ops.small_gemm(torch.randn(0, 64), panels, None, 40)
     with pytest.raises(RuntimeError, match="N does not fit"):
@@ -321,10 +334,10 @@ def test_small_gemm_rejects_what_it_does_not_take():
         cpu_kernels.ops.small_gemm(torch.randn(1, 64).bfloat16(), panels, None, 40)
     with pytest.raises(RuntimeError, match="panels"):
         cpu_kernels.ops.small_gemm(torch.randn(1, 64), w, None, 40)
-    if cpu_kernels.ops.bf16_panels_k_pairs():   # AVX512-BF16's pairs of k
+    if cpu_kernels.ops.bf16_panels_k_pairs():  # AVX512-BF16's pairs of k
         with pytest.raises(ValueError, match="even K"):
             cpu_kernels.pack_panels(torch.randn(32, 63).bfloat16())
-    else:                                             # AVX2's one k a row: any K
+    else:  # AVX2's one k a row: any K
         assert cpu_kernels.pack_panels(torch.randn(32, 63).bfloat16()).shape == (1, 63, 32)
 
 
@@ -337,7 +350,7 @@ def _int4_weight(n: int, k: int, g: torch.Generator):
     return q, scale, minimum, w.reshape(n, k)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 37])   # past 8: blocks of 8 rows, then the rest
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 37])  # past 8: blocks of 8 rows, then the rest
 @pytest.mark.parametrize("x_dtype", DTYPES)
 @pytest.mark.parametrize("k", [32, 576, 1536])
 def test_int4_gemv_matches_linear(rows, x_dtype, k):
@@ -347,7 +360,7 @@ def test_int4_gemv_matches_linear(rows, x_dtype, k):
     q, scale, minimum, w = _int4_weight(96, k, g)
     packed = cpu_kernels.int4_gemv_pack(q, scale, minimum)
     assert packed.shape == (6, k // 32, 320) and packed.dtype == torch.uint8
-    x = (torch.randn(rows, k, generator=g) * torch.rand(k, generator=g) * 10).to(x_dtype)   # uneven channels
+    x = (torch.randn(rows, k, generator=g) * torch.rand(k, generator=g) * 10).to(x_dtype)  # uneven channels
     bias = torch.randn(96, generator=g)
     for b in (None, bias):
         got = cpu_kernels.ops.int4_gemv(x, packed, b)
@@ -355,8 +368,8 @@ def test_int4_gemv_matches_linear(rows, x_dtype, k):
         assert got.dtype == x_dtype and got.shape == (rows, 96)
         err = (got.double() - ref).abs().max() / ref.abs().max()
         # int16 activations: ~1e-5; then one bfloat16 rounding of the output
-        assert err < (1e-4 if x_dtype == torch.float32 else 2 ** -8), err
-        if rows > 8:   # a row's result does not depend on the rows beside it
+        assert err < (1e-4 if x_dtype == torch.float32 else 2**-8), err
+        if rows > 8:  # a row's result does not depend on the rows beside it
             assert torch.equal(got[8:9], cpu_kernels.ops.int4_gemv(x[8:9], packed, b))
 
 
@@ -374,19 +387,19 @@ def test_int4_gemv_rejects_what_it_does_not_take():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,inter", [(1, 1536), (5, 40)])   # 40: a tail after the 16-wide loop
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (5, 40)])  # 40: a tail after the 16-wide loop
 def test_silu_mul_matches_eager(dtype, rows, inter):
     g = torch.Generator().manual_seed(rows)
     gate_up = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype)
-    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])   # far tails and zero
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # far tails and zero
     got = cpu_kernels.silu_mul(gate_up)
     gate, up = gate_up.split(inter, dim=-1)
     ref = torch.nn.functional.silu(gate) * up
     assert got.dtype == dtype and got.shape == (rows, inter)
     if dtype == torch.float32:
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
-    else:   # silu rounded to bfloat16 before the product, as eager does; exp's last bits may flip one
-        close = (got.float() - ref.float()).abs() <= 2 ** -7 * ref.float().abs() + 1e-6
+    else:  # silu rounded to bfloat16 before the product, as eager does; exp's last bits may flip one
+        close = (got.float() - ref.float()).abs() <= 2**-7 * ref.float().abs() + 1e-6
         assert close.all() and (got == ref).float().mean() > 0.99
 
 
@@ -404,8 +417,16 @@ def skip_without_fused_op(dtype: str, quantization: str | None = None) -> None:
         pytest.skip(f"no fused decode op on this path for {dtype} {quantization or ''} projections")
 
 
-def _decode_logits(path: str, fused: bool, rows: int, prompt: int = 9, new: int = 9, head_in_op: bool = True,
-                   keep: dict | None = None, **args) -> tuple[list[torch.Tensor], int]:
+def _decode_logits(
+    path: str,
+    fused: bool,
+    rows: int,
+    prompt: int = 9,
+    new: int = 9,
+    head_in_op: bool = True,
+    keep: dict | None = None,
+    **args,
+) -> tuple[list[torch.Tensor], int]:
     """Every step's logits of `rows` greedy requests (request i: a `prompt + 5 i`-token prompt,
     `new` tokens), with `decode_layers_` (`fused`) or the layer loop; and how many steps took the
     fused op. With 2 or more rows the first request ends early: the rest keep their mirror rows,
@@ -416,6 +437,7 @@ def _decode_logits(path: str, fused: bool, rows: int, prompt: int = 9, new: int 
     from plait.runtime.sampling_params import SamplingParams
     from plait.runtime.scheduler.scheduler import Scheduler
     from plait.runtime.server_args import ServerArgs
+
     s = Scheduler(ServerArgs(model=path, max_total_tokens=4096, max_running_requests=rows, **args))
     if keep is not None:
         keep["sched"] = s
@@ -426,33 +448,50 @@ def _decode_logits(path: str, fused: bool, rows: int, prompt: int = 9, new: int 
         model.lm_head.decode_kernel = lambda *a: None
     begin, forward = model._begin_fused_decode, model.forward
 
-    def count(batch, *a):   # steps fused: their layers in one op, and from token ids to logits in one op
+    def count(batch, *a):  # steps fused: their layers in one op, and from token ids to logits in one op
         out = begin(batch, *a)
         fused_steps[0] += out is not None
         whole_steps[0] += out is not None and out[2]
         # (the head has one of the op's kernels at these rows: not an int8 head's bfloat16 copy, 9+
         # rows where the CPU has bfloat16 dot products, whose logits are rounded to bfloat16 first)
         rows = batch.input_ids.shape[0]
-        head_kernel[0] += out is not None and model.lm_head.decode_kernel(rows, model.embed_tokens.weight.dtype) is not None
+        head_kernel[0] += (
+            out is not None and model.lm_head.decode_kernel(rows, model.embed_tokens.weight.dtype) is not None
+        )
         return out
+
     model._begin_fused_decode = count
     model.forward = lambda *a: logits.append(forward(*a)) or logits[-1]
     for i in range(rows):
         ids = [(37 * i + 11 * j) % 40000 + 100 for j in range(prompt + 5 * i)]
-        s.add_request(GenerateInput(rid=str(i), input_ids=ids, seed=i, params=SamplingParams(
-            max_new_tokens=4 if i == 0 and rows > 1 else new, temperature=0, ignore_eos=True)))
+        s.add_request(
+            GenerateInput(
+                rid=str(i),
+                input_ids=ids,
+                seed=i,
+                params=SamplingParams(max_new_tokens=4 if i == 0 and rows > 1 else new, temperature=0, ignore_eos=True),
+            )
+        )
     while s.has_work():
         s.step()
     assert whole_steps[0] == (head_kernel[0] if head_in_op else 0), "the LM head ran elsewhere than asked"
     return logits, fused_steps[0]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])   # qwen2: q/k/v biases
-@pytest.mark.parametrize("dtype,quantization,rows", [
-    ("float32", None, 1), ("float32", None, 3), ("bfloat16", None, 2),
-    ("bfloat16", "int4", 1), ("bfloat16", "int4", 11),   # int4_gemv; 11 (then 10) rows: its blocks of 8 rows
-                                                        # (with bf16 dot products: the bfloat16 panels)
-    ("bfloat16", "int8", 5), ("bfloat16", "int8", 11)])  # int8_rows (AVX2) or int8_gemv; 11: int8_rows or the panels
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize(
+    "dtype,quantization,rows",
+    [
+        ("float32", None, 1),
+        ("float32", None, 3),
+        ("bfloat16", None, 2),
+        ("bfloat16", "int4", 1),
+        ("bfloat16", "int4", 11),  # int4_gemv; 11 (then 10) rows: its blocks of 8 rows
+        # (with bf16 dot products: the bfloat16 panels)
+        ("bfloat16", "int8", 5),
+        ("bfloat16", "int8", 11),
+    ],
+)  # int8_rows (AVX2) or int8_gemv; 11: int8_rows or the panels
 def test_decode_layers_equals_the_layer_loop(tiny_model_dirs, arch, dtype, quantization, rows):
     """One op for all layers of a steady decode step runs the loop's kernels in its order: the very
     same logits at every step, and every steady step takes it (all but the prefill, the first
@@ -474,6 +513,7 @@ def test_a_bfloat16_kv_cache_under_a_float32_model(tiny_model_dirs, rows):
     skip_without_fused_op("float32")
     from plait.cli import _ENGINE_OPTIONS, build_parser
     from plait.runtime.server_args import ServerArgs
+
     path, keep = tiny_model_dirs["llama"], {}
     args = dict(dtype="float32", kv_cache_dtype="bfloat16")
     got, fused_steps = _decode_logits(path, True, rows, keep=keep, **args)
@@ -485,7 +525,7 @@ def test_a_bfloat16_kv_cache_under_a_float32_model(tiny_model_dirs, rows):
     assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
     f32, _ = _decode_logits(path, True, rows, dtype="float32")
     first = [(a - b).abs().max().item() / b.abs().max().item() for a, b in zip(got[:2], f32[:2])]
-    assert all(0 < d < 2e-2 for d in first), first   # rounded (not equal), and by little
+    assert all(0 < d < 2e-2 for d in first), first  # rounded (not equal), and by little
     # float16: no fused kernels for it on the CPU, the eager ops over it; closer than bfloat16
     half, half_fused = _decode_logits(path, True, rows, dtype="float32", kv_cache_dtype="float16")
     closer = [(a - b).abs().max().item() / b.abs().max().item() for a, b in zip(half[:2], f32[:2])]
@@ -505,6 +545,7 @@ def test_an_fp8_kv_cache_under_a_bfloat16_model(tiny_model_dirs, kv, rows):
     3 mantissa bits less than e5m2's 2."""
     skip_without_fused_op("bfloat16")
     from plait.cli import build_parser
+
     path, keep = tiny_model_dirs["llama"], {}
     fp8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv]
     got, fused_steps = _decode_logits(path, True, rows, keep=keep, dtype="bfloat16", kv_cache_dtype=kv)
@@ -518,7 +559,7 @@ def test_an_fp8_kv_cache_under_a_bfloat16_model(tiny_model_dirs, kv, rows):
     # the prefill's logits (attention over the pool's rounded K/V): later steps may follow other
     # greedy tokens
     moved = (got[0] - bf16[0]).abs().max().item() / bf16[0].abs().max().item()
-    assert 0 < moved < 0.25, moved   # rounded (not equal), and by little
+    assert 0 < moved < 0.25, moved  # rounded (not equal), and by little
     assert all(bool(x.isfinite().all()) for x in got)
     if kv == "fp8_e5m2":
         finer, _ = _decode_logits(path, True, rows, dtype="bfloat16", kv_cache_dtype="fp8_e4m3")
@@ -526,7 +567,7 @@ def test_an_fp8_kv_cache_under_a_bfloat16_model(tiny_model_dirs, kv, rows):
         assert closer < moved, (closer, moved)
     assert keep["sched"].kv_slots_in_use() == 0
     assert build_parser().parse_args(["serve", "--kv-cache-dtype", kv]).kv_cache_dtype == kv
-    if rows == 3:   # the eager ops (no kernels): the pool's and mirror's writes as bytes, SDPA widening
+    if rows == 3:  # the eager ops (no kernels): the pool's and mirror's writes as bytes, SDPA widening
         plain, none = eager(lambda: _decode_logits(path, True, rows, dtype="bfloat16", kv_cache_dtype=kv))
         assert none == 0 and len(plain) == len(got)
         assert (plain[0] - got[0]).abs().max().item() / got[0].abs().max().item() < 0.02
@@ -544,15 +585,20 @@ def test_fp8_kv_kernels_read_and_write_exactly(kv):
         k, v = (torch.randn(2, 3, 64) * 8).to(src), (torch.randn(2, 3, 64) * 1e-2).to(src)
         at = torch.tensor([0, 9, 17, 30, 50, 95])
         cpu_kernels.ops.kv_write_(pool_k, pool_v, torch.tensor([4, 7]), k, v, mirror_k, mirror_v, at)
-        for got, want in ((pool_k[[4, 7]], k), (pool_v[[4, 7]], v),
-                          (mirror_k.view(-1, 64)[at].view(2, 3, 64), k), (mirror_v.view(-1, 64)[at].view(2, 3, 64), v)):
+        for got, want in (
+            (pool_k[[4, 7]], k),
+            (pool_v[[4, 7]], v),
+            (mirror_k.view(-1, 64)[at].view(2, 3, 64), k),
+            (mirror_v.view(-1, 64)[at].view(2, 3, 64), v),
+        ):
             assert torch.equal(got.view(torch.uint8), want.float().to(kv).view(torch.uint8))
     # every byte but NaN, as the values of one-key rows (softmax of one key is 1: the output is V)
     values = torch.arange(256, dtype=torch.uint8).view(kv)
     values = values[~values.float().isnan()]
     values = torch.cat([values, torch.zeros(-len(values) % 64, dtype=kv)]).reshape(4, 1, 1, 64)
-    out = cpu_kernels.ops.decode_attention(torch.zeros(4, 1, 64), torch.zeros_like(values), values,
-                                               torch.ones(4, dtype=torch.int64), 1.0, None)
+    out = cpu_kernels.ops.decode_attention(
+        torch.zeros(4, 1, 64), torch.zeros_like(values), values, torch.ones(4, dtype=torch.int64), 1.0, None
+    )
     assert torch.equal(out.view(4, 64), values.float().view(4, 64))
     k, v = (torch.randn(3, 3, 70, 64) * 3).to(kv), torch.randn(3, 3, 70, 64).to(kv)
     lens, rows = torch.tensor([70, 33, 1]), torch.tensor([2, 0, 1])
@@ -581,14 +627,19 @@ def test_decode_layers_follow_the_mirror_when_it_grows(tiny_model_dirs, monkeypa
     before the growth, its row count's plan must go too)."""
     skip_without_fused_op("float32")
     from plait.runtime.mem_cache.decode_mirror import DecodeMirror
+
     grown, resize = [], DecodeMirror._resize
-    monkeypatch.setattr(DecodeMirror, "_resize", lambda self, rows, length: grown.append(length) or resize(self, rows, length))
+    monkeypatch.setattr(
+        DecodeMirror, "_resize", lambda self, rows, length: grown.append(length) or resize(self, rows, length)
+    )
     keep = {}
-    got, fused_steps = _decode_logits(tiny_model_dirs["llama"], True, rows, prompt=248, new=16, keep=keep, dtype="float32")
-    assert len(grown) == 2 and grown[0] < grown[1], grown   # the first fill, then one growth mid-run
-    mirror = keep["sched"].runner.backend.mirror   # no plan holds the replaced blocks (their memory)
+    got, fused_steps = _decode_logits(
+        tiny_model_dirs["llama"], True, rows, prompt=248, new=16, keep=keep, dtype="float32"
+    )
+    assert len(grown) == 2 and grown[0] < grown[1], grown  # the first fill, then one growth mid-run
+    mirror = keep["sched"].runner.backend.mirror  # no plan holds the replaced blocks (their memory)
     assert [h[0] for h in keep["sched"].runner.model._decode_handles.values()] == [(mirror, mirror.generation)]
-    assert fused_steps == len(got) - (2 if rows == 1 else 3)   # not the prefill, the first decode step, a refill
+    assert fused_steps == len(got) - (2 if rows == 1 else 3)  # not the prefill, the first decode step, a refill
     ref, _ = _decode_logits(tiny_model_dirs["llama"], False, rows, prompt=248, new=16, dtype="float32")
     assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
 
@@ -616,9 +667,9 @@ def test_argmax_rows_is_torch_argmax(rows, n):
     torch.argmax has them."""
     g = torch.Generator().manual_seed(n)
     x = torch.randn(rows, n, generator=g)
-    x[0, n // 2] = x[0].max() + 1            # one maximum
+    x[0, n // 2] = x[0].max() + 1  # one maximum
     if n > 5:
-        x[-1, 1::3] = 7.0                    # ties: the first wins
+        x[-1, 1::3] = 7.0  # ties: the first wins
         x[-1, -1] = float("inf")
     got = cpu_kernels.argmax_rows(x)
     assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1))
@@ -627,7 +678,7 @@ def test_argmax_rows_is_torch_argmax(rows, n):
     x[0, n - 1] = float("nan")
     x[-1, n // 3] = float("nan")
     if n > 1:
-        x[-1, n - 1] = float("nan")          # the first NaN of the row counts
+        x[-1, n - 1] = float("nan")  # the first NaN of the row counts
     assert torch.equal(cpu_kernels.argmax_rows(x), x.argmax(dim=-1))
 
 
@@ -640,7 +691,7 @@ def test_mirror_steady_appends_or_changes_nothing():
     stamps = torch.full((3, cap), -1, dtype=torch.int64)
     lens = torch.zeros(3, dtype=torch.int64)
     slot_stamp = torch.zeros(100, dtype=torch.int64)
-    kv = torch.tensor([[5, 6, 7, 0], [9, 10, 11, 12]])      # two rows, prefixes 2 and 3
+    kv = torch.tensor([[5, 6, 7, 0], [9, 10, 11, 12]])  # two rows, prefixes 2 and 3
     pre = torch.tensor([2, 3])
     targets = torch.tensor([2, 0])
     ids[2, :2], ids[0, :3] = kv[0, :2], kv[1, :3]
@@ -648,12 +699,12 @@ def test_mirror_steady_appends_or_changes_nothing():
     slot_stamp[[5, 6]], slot_stamp[[9, 10, 11]] = 4, 3
     lens[2], lens[0] = 2, 3
     before = (ids.clone(), stamps.clone(), lens.clone())
-    slot_stamp[10] = 7                                        # slot 10 rewritten since it was copied
+    slot_stamp[10] = 7  # slot 10 rewritten since it was copied
     out = cpu_kernels.ops.mirror_steady_(ids, stamps, lens, slot_stamp, kv, pre, targets, 9, kv_heads)
     assert out.numel() == 0
     assert all(torch.equal(a, b) for a, b in zip((ids, stamps, lens), before))
     slot_stamp[10] = 3
-    for bad in ([0, 2], [2, 3]):                              # each row's mirror checked where it lies
+    for bad in ([0, 2], [2, 3]):  # each row's mirror checked where it lies
         out = cpu_kernels.ops.mirror_steady_(ids, stamps, lens, slot_stamp, kv, pre, torch.tensor(bad), 9, kv_heads)
         assert out.numel() == 0
         assert all(torch.equal(a, b) for a, b in zip((ids, stamps, lens), before))
@@ -668,7 +719,7 @@ def test_parallel_shares_run_every_index_once(n, min_share, chunk):
     back of a slower thread's; every index runs exactly once, and a slow thread's share is taken
     over (thread 0 sleeps 3 ms in each chunk it runs)."""
     who = cpu_kernels.ops.shares_coverage(n, min_share, chunk, 3000)
-    assert who.shape == (n,) and (who >= 0).all()   # -1: never ran, -2: ran twice
+    assert who.shape == (n,) and (who >= 0).all()  # -1: never ran, -2: ran twice
     threads = min(torch.get_num_threads(), max(1, n // min_share))
-    if threads > 1 and n // threads > chunk:   # share 0 has chunks thread 0 did not get to
+    if threads > 1 and n // threads > chunk:  # share 0 has chunks thread 0 did not get to
         assert (who[: n // threads] > 0).any()

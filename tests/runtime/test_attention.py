@@ -2,6 +2,7 @@
 pool through the request-to-token table, causal from its prefix), over multi-step scenarios:
 mixed extend/decode groups, shared prefixes, membership changes, a request that skips a step,
 rejected drafts, a rewritten table row, and a row reused by a new request on recycled slots."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,7 @@ from plait.runtime.model_executor.attention import MirroredAttention, TorchNativ
 from plait.runtime.model_executor.forward_batch import ForwardBatch
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 8
-SCALE = HEAD_DIM ** -0.5
+SCALE = HEAD_DIM**-0.5
 
 
 @pytest.fixture(autouse=True, params=["fused kernels", "eager ops"])
@@ -33,7 +34,7 @@ def model_dtype(request, monkeypatch):
 class Sim:
     """A pool, a table and requests (row -> tokens in KV); steps run the backend layer by layer."""
 
-    dtype = torch.float32   # the model's, and the pool's
+    dtype = torch.float32  # the model's, and the pool's
 
     def __init__(self, backend_cls, slots: int = 4096, **kw):
         self.pool = KVPool(slots, LAYERS, KV_HEADS, HEAD_DIM, self.dtype)
@@ -46,14 +47,14 @@ class Sim:
     def new(self, prefix_of: int | None = None, shared: int = 0) -> int:
         row = self.table.alloc()
         self.kv_len[row] = 0
-        if prefix_of is not None:          # share the first `shared` slots of another request
+        if prefix_of is not None:  # share the first `shared` slots of another request
             self.table.table[row, :shared] = self.table.table[prefix_of, :shared]
             self.kv_len[row] = shared
         return row
 
     def drop(self, row: int, free_slots: bool = True) -> None:
         if free_slots:
-            self.alloc.free(self.table.table[row, :self.kv_len[row]].clone())
+            self.alloc.free(self.table.table[row, : self.kv_len[row]].clone())
         del self.kv_len[row]
         self.table.free(row)
 
@@ -63,7 +64,7 @@ class Sim:
         for row, n in work:
             start = self.kv_len[row]
             slots = self.alloc.alloc(n)
-            self.table.table[row, start:start + n] = slots
+            self.table.table[row, start : start + n] = slots
             ids += [0] * n
             rows.append(row)
             pre.append(start)
@@ -78,11 +79,11 @@ class Sim:
             got = self.backend.forward(q, k, v, layer, batch, SCALE)
             want = self.reference(q, layer, rows, pre, ext)
             assert got.dtype == self.dtype
-            if self.dtype == torch.float32:   # the same float32 terms summed in another order (the
+            if self.dtype == torch.float32:  # the same float32 terms summed in another order (the
                 # kernel's key blocks and online softmax vs SDPA's): rounding noise, ~1e-7 of each term
                 torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
-            else:   # computed in float32 over the same values: one bfloat16 rounding of the output
-                torch.testing.assert_close(got.float(), want, atol=1e-5, rtol=2 ** -8)
+            else:  # computed in float32 over the same values: one bfloat16 rounding of the output
+                torch.testing.assert_close(got.float(), want, atol=1e-5, rtol=2**-8)
         for row, n in work:
             self.kv_len[row] += n
         return batch
@@ -90,12 +91,12 @@ class Sim:
     def reference(self, q, layer, rows, pre, ext) -> torch.Tensor:
         outs, pos = [], 0
         for row, p, n in zip(rows, pre, ext):
-            slots = self.table.table[row, :p + n]
+            slots = self.table.table[row, : p + n]
             keys = self.pool.k[layer][slots].transpose(0, 1).float()  # [KVH, S, D]
             values = self.pool.v[layer][slots].transpose(0, 1).float()
             rep = HEADS // KV_HEADS
             keys, values = keys.repeat_interleave(rep, 0), values.repeat_interleave(rep, 0)
-            qq = q[pos:pos + n].transpose(0, 1).float()                  # [H, n, D]
+            qq = q[pos : pos + n].transpose(0, 1).float()  # [H, n, D]
             mask = torch.arange(p + n)[None, :] <= (p + torch.arange(n))[:, None]
             out = F.scaled_dot_product_attention(qq, keys, values, attn_mask=mask, scale=SCALE)
             outs.append(out.transpose(0, 1).reshape(n, HEADS * HEAD_DIM))
@@ -114,24 +115,24 @@ def plan_fills(sim: Sim) -> int:
 def test_backends_match_reference(backend_cls):
     sim = Sim(backend_cls)
     a, b = sim.new(), sim.new()
-    sim.step([(a, 37), (b, 5)])                        # two prefills (one extend group)
-    c = sim.new(prefix_of=a, shared=20)                # shares a's first 20 slots
-    sim.step([(c, 9), (a, 1), (b, 1)])                 # mixed: extend group + decode group
+    sim.step([(a, 37), (b, 5)])  # two prefills (one extend group)
+    c = sim.new(prefix_of=a, shared=20)  # shares a's first 20 slots
+    sim.step([(c, 9), (a, 1), (b, 1)])  # mixed: extend group + decode group
     for _ in range(3):
         sim.step([(a, 1), (b, 1), (c, 1)])
-    sim.step([(b, 4), (a, 1), (c, 1)])                 # b verifies drafts (multi-token extend)
-    sim.kv_len[b] -= 2                                 # two drafts rejected: rolled back
-    sim.alloc.free(sim.table.table[b, sim.kv_len[b]:sim.kv_len[b] + 2].clone())
+    sim.step([(b, 4), (a, 1), (c, 1)])  # b verifies drafts (multi-token extend)
+    sim.kv_len[b] -= 2  # two drafts rejected: rolled back
+    sim.alloc.free(sim.table.table[b, sim.kv_len[b] : sim.kv_len[b] + 2].clone())
     for _ in range(2):
         sim.step([(a, 1), (b, 1), (c, 1)])
-    sim.drop(a, free_slots=False)                      # finished: its slots stay (c shares them)
+    sim.drop(a, free_slots=False)  # finished: its slots stay (c shares them)
     d = sim.new()
     sim.step([(d, 3), (c, 1), (b, 1)])
-    sim.step([(c, 1), (d, 1), (b, 1)])                 # new order, new member
-    sim.step([(d, 5), (b, 2), (c, 1)])                 # two draft rows and a decode
+    sim.step([(c, 1), (d, 1), (b, 1)])  # new order, new member
+    sim.step([(d, 5), (b, 2), (c, 1)])  # two draft rows and a decode
     many = [sim.new() for _ in range(8)]
     sim.step([(r, 4 + i) for i, r in enumerate(many)])
-    sim.step([(b, 3)] + [(r, 1) for r in [c, d] + many])   # drafts in a big batch: extend group
+    sim.step([(b, 3)] + [(r, 1) for r in [c, d] + many])  # drafts in a big batch: extend group
 
 
 def test_mirror_appends_in_steady_state_and_refills_only_what_changed():
@@ -139,36 +140,36 @@ def test_mirror_appends_in_steady_state_and_refills_only_what_changed():
     rows = [sim.new() for _ in range(4)]
     sim.step([(r, 10 + 3 * i) for i, r in enumerate(rows)])
     sim.step([(r, 1) for r in rows])
-    assert plan_fills(sim) == 4                        # first decode: everything copied once
+    assert plan_fills(sim) == 4  # first decode: everything copied once
     for _ in range(3):
         sim.step([(r, 1) for r in rows])
-        assert plan_fills(sim) == 0                    # then one token per row per step
-    sim.step([(r, 1) for r in reversed(rows)])         # same members, another order
+        assert plan_fills(sim) == 0  # then one token per row per step
+    sim.step([(r, 1) for r in reversed(rows)])  # same members, another order
     assert plan_fills(sim) == 0
-    for _ in range(2):                                 # which stays: the steady plan (fused with the
-        sim.step([(r, 1) for r in reversed(rows)])     # kernels), each row at the mirror row it holds
+    for _ in range(2):  # which stays: the steady plan (fused with the
+        sim.step([(r, 1) for r in reversed(rows)])  # kernels), each row at the mirror row it holds
         assert plan_fills(sim) == 0 and sim.backend._plan.order is not None
         assert sim.backend._fused == cpu_kernels.enabled(sim.pool.k[0])
-    sim.drop(rows[1])                                  # one leaves, one joins
+    sim.drop(rows[1])  # one leaves, one joins
     e = sim.new()
     sim.step([(e, 6)])
     live = [rows[0], rows[2], rows[3], e]
     sim.step([(r, 1) for r in live])
-    assert plan_fills(sim) <= 2                        # the newcomer (and one moved into the gap)
-    sim.step([(rows[0], 3), (rows[2], 1), (rows[3], 1), (e, 2)])   # drafts verified in the decode group
+    assert plan_fills(sim) <= 2  # the newcomer (and one moved into the gap)
+    sim.step([(rows[0], 3), (rows[2], 1), (rows[3], 1), (e, 2)])  # drafts verified in the decode group
     assert sim.backend._plan.max_q == 3 and plan_fills(sim) == 0
-    sim.kv_len[rows[0]] -= 1                           # one draft rejected: the mirror holds more
+    sim.kv_len[rows[0]] -= 1  # one draft rejected: the mirror holds more
     sim.step([(r, 1) for r in live])
     assert plan_fills(sim) == 0
-    sim.step([(rows[2], 1), (rows[3], 1), (e, 1)])     # rows[0] sits a step out
+    sim.step([(rows[2], 1), (rows[3], 1), (e, 1)])  # rows[0] sits a step out
     sim.step([(r, 1) for r in live])
-    assert plan_fills(sim) == 1                        # it refills; the others append
+    assert plan_fills(sim) == 1  # it refills; the others append
 
 
 def test_rewritten_table_row_and_recycled_slots_refill():
     sim = Sim(MirroredAttention)
     a, b, other = sim.new(), sim.new(), sim.new()
-    sim.step([(a, 12), (b, 12), (other, 5)])          # same step: same write stamps
+    sim.step([(a, 12), (b, 12), (other, 5)])  # same step: same write stamps
     sim.step([(a, 1), (b, 1)])
     # Prefix-cache dedup: a's first 5 tokens now point at other slots (other K/V).
     sim.table.table[a, :5] = sim.table.table[other, :5]
@@ -178,7 +179,7 @@ def test_rewritten_table_row_and_recycled_slots_refill():
     # the write stamps can tell its K/V apart.
     slots = sim.table.table[b, :14].clone()
     sim.drop(b, free_slots=False)
-    sim.alloc._free = torch.cat((slots, sim.alloc._free[sim.alloc._head:]))   # b's slots handed out next
+    sim.alloc._free = torch.cat((slots, sim.alloc._free[sim.alloc._head :]))  # b's slots handed out next
     sim.alloc._head = 0
     b2 = sim.new()
     assert b2 == b
@@ -192,20 +193,22 @@ def test_mirror_grows_past_its_length_step_and_falls_back_over_budget():
     sim = Sim(MirroredAttention)
     a = sim.new()
     sim.step([(a, 250)])
-    for _ in range(10):                                # crosses the 256-token capacity step
+    for _ in range(10):  # crosses the 256-token capacity step
         sim.step([(a, 1)])
     mirror = sim.backend.mirror
     assert mirror.capacity[1] >= 261
-    assert all(float(t[:, :, 262:].abs().max()) == 0 for t in mirror.k + mirror.v)   # fresh rows zeroed
-    if weight_arena.huge_page_buffer(1) is not None:   # one 2 MB-aligned huge-page buffer, in read order
+    assert all(float(t[:, :, 262:].abs().max()) == 0 for t in mirror.k + mirror.v)  # fresh rows zeroed
+    if weight_arena.huge_page_buffer(1) is not None:  # one 2 MB-aligned huge-page buffer, in read order
         first, each = mirror.k[0].data_ptr(), mirror.k[0].numel() * mirror.k[0].element_size()
         assert first % weight_arena.HUGE_PAGE == 0
         for i in range(LAYERS):
-            assert mirror.k[i].data_ptr() == first + 2 * i * each and mirror.v[i].data_ptr() == first + (2 * i + 1) * each
+            assert (
+                mirror.k[i].data_ptr() == first + 2 * i * each and mirror.v[i].data_ptr() == first + (2 * i + 1) * each
+            )
     tight = Sim(MirroredAttention, mirror_budget_bytes=1)
     r = tight.new()
     tight.step([(r, 8)])
-    tight.step([(r, 1)])                               # checked against the reference all the same
+    tight.step([(r, 1)])  # checked against the reference all the same
     assert tight.backend._plan is None
 
 
@@ -215,10 +218,11 @@ def test_decode_group_takes_small_draft_extends_only():
         table = torch.zeros((len(pre), 64), dtype=torch.int64)
         b = ForwardBatch.build([0] * sum(ext), list(range(len(pre))), pre, ext, locs, table, [0])
         return [(g.bsz, g.max_q, g.decode) for g in b.groups]
-    assert groups([0, 9, 7, 5], [6, 3, 1, 1]) == [(1, 6, False), (3, 3, True)]      # prefill | drafts + decodes
+
+    assert groups([0, 9, 7, 5], [6, 3, 1, 1]) == [(1, 6, False), (3, 3, True)]  # prefill | drafts + decodes
     assert groups([9, 7], [1, 1]) == [(2, 1, True)]
-    assert groups([3, 9], [20, 1]) == [(1, 20, False), (1, 1, True)]                # a long extend stays out
-    assert groups([9] * 10, [2] + [1] * 9) == [(1, 2, False), (9, 1, True)]         # too many rows to pad
+    assert groups([3, 9], [20, 1]) == [(1, 20, False), (1, 1, True)]  # a long extend stays out
+    assert groups([9] * 10, [2] + [1] * 9) == [(1, 2, False), (9, 1, True)]  # too many rows to pad
 
 
 @pytest.mark.parametrize("lens", [[9], [9, 14, 5]])
@@ -226,7 +230,7 @@ def test_advanced_batch_equals_the_built_one(lens):
     # A decode batch one token further, by ForwardBatch.advance, holds what building it anew holds:
     # positions, context lengths, the table's slots and the padding mask of rows of unequal length.
     table = torch.arange(4 * 32, dtype=torch.int64).view(4, 32) + 1
-    rows = [2, 0, 3][:len(lens)]
+    rows = [2, 0, 3][: len(lens)]
     written = torch.tensor([r * 32 + n + 1 for r, n in zip(rows, lens)])
     first = ForwardBatch.build([5] * len(lens), rows, lens, [1] * len(lens), written, table, list(range(len(lens))))
     assert first.advanceable

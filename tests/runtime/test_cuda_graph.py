@@ -1,6 +1,7 @@
 """The decode graph runner (runtime/model_executor/cuda_graph.py). On the CPU it runs in eager-replay mode (the
 static, padded tensors without capture), which tests the bucketing, padding and static inputs
 against the ordinary eager path; on CUDA (when present) the real capture and replay."""
+
 from __future__ import annotations
 
 import contextlib
@@ -27,7 +28,7 @@ from plait.runtime.server_args import ServerArgs
 # kernels. (Seen: 1.7e-6 of it on AMD Zen 4; Intel Sapphire Rapids' oneDNN ~1e-5, which a fixed 2e-5
 # absolute bound, tuned on AMD, failed.) Real faults (a wrong mask, position or slot) move them by
 # tenths; the greedy outputs are compared exactly besides.
-SUM_BOUND = 11 * 128 * 2.0 ** -24
+SUM_BOUND = 11 * 128 * 2.0**-24
 
 
 def assert_logits_close(got: torch.Tensor, ref: torch.Tensor) -> None:
@@ -38,7 +39,7 @@ def runner_args(path: str, **kw) -> ServerArgs:
     return ServerArgs(**{"model": path, "dtype": "float32", "max_total_tokens": 4096, **kw})
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])   # qwen3: q/k norms, head_dim != hidden / heads
+@pytest.fixture(scope="module", params=["llama", "qwen3"])  # qwen3: q/k norms, head_dim != hidden / heads
 def path(tiny_model_dirs, request):
     return tiny_model_dirs[request.param]
 
@@ -77,9 +78,9 @@ class Recorder:
         logits = self._forward(batch)
         took = graphs is not None and graphs.num_replays > before
         mirror = getattr(self.runner.backend, "mirror", None)
-        if took and mirror is not None:   # the CPU decode mirror saw this step's pool writes
+        if took and mirror is not None:  # the CPU decode mirror saw this step's pool writes
             assert bool((mirror.slot_stamp[batch.out_cache_loc.cpu()] == mirror.clock).all())
-        if took:   # padded rows see exactly one key, the padding slot (no fully masked row: no NaN)
+        if took:  # padded rows see exactly one key, the padding slot (no fully masked row: no NaN)
             n, static = batch.groups[0].bsz, graphs.entries[graphs.bucket(batch)].batch
             sg = static.groups[0]
             seen = sg.attn_mask.view(sg.bsz, sg.max_kv) == 0
@@ -88,10 +89,17 @@ class Recorder:
             assert bool((static.out_cache_loc[n:] == PAD_SLOT).all())
         eligible = graphs.bucket(batch) if graphs is not None else None
         pool, loc = self.runner.pool, batch.out_cache_loc
-        written = torch.stack([t[loc] for t in pool.k + pool.v]).cpu()   # this step's K/V, every layer
-        self.steps.append({"graph": took, "eligible": eligible, "bsz": sum(g.bsz for g in batch.groups),
-                           "max_q": max(g.max_q for g in batch.groups), "logits": logits.clone(),
-                           "written": written})
+        written = torch.stack([t[loc] for t in pool.k + pool.v]).cpu()  # this step's K/V, every layer
+        self.steps.append(
+            {
+                "graph": took,
+                "eligible": eligible,
+                "bsz": sum(g.bsz for g in batch.groups),
+                "max_q": max(g.max_q for g in batch.groups),
+                "logits": logits.clone(),
+                "written": written,
+            }
+        )
         return logits
 
     def close(self):
@@ -99,8 +107,9 @@ class Recorder:
 
 
 def req(rid: str, ids: list[int], n: int) -> GenerateInput:
-    return GenerateInput(rid=rid, input_ids=ids,
-                         params=SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True), seed=0)
+    return GenerateInput(
+        rid=rid, input_ids=ids, params=SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True), seed=0
+    )
 
 
 def drive(s: Scheduler, arrivals: dict[int, list[GenerateInput]], oracle: dict | None = None) -> dict[str, list[int]]:
@@ -124,15 +133,22 @@ def drive(s: Scheduler, arrivals: dict[int, list[GenerateInput]], oracle: dict |
 def workload(tokenizer) -> dict[int, list[GenerateInput]]:
     """Requests joining and finishing mid-run: batch sizes 1..5 (5 is above the largest bucket),
     contexts from a few tokens to past 128 (the largest KV bucket)."""
-    text = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
-            "1, 2, 3, 4,", "Hello"]
+    text = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a land far away,",
+        "1, 2, 3, 4,",
+        "Hello",
+    ]
     ids = [tokenizer.encode(t) for t in text]
     long = tokenizer.encode(" ".join(["a long prompt that keeps going"] * 20))[:112]
-    return {0: [req("a", ids[0], 44)],
-            2: [req("b", ids[1], 12)],
-            14: [req("c", ids[2] * 3, 30), req("d", ids[3], 14), req("e", ids[4], 6), req("h", ids[4], 3)],
-            24: [req("f", long, 26)],
-            30: [req("g", ids[0] + ids[1], 9)]}
+    return {
+        0: [req("a", ids[0], 44)],
+        2: [req("b", ids[1], 12)],
+        14: [req("c", ids[2] * 3, 30), req("d", ids[3], 14), req("e", ids[4], 6), req("h", ids[4], 3)],
+        24: [req("f", long, 26)],
+        30: [req("g", ids[0] + ids[1], 9)],
+    }
 
 
 def compare(ref: Recorder, got: Recorder) -> None:
@@ -146,12 +162,12 @@ def test_buckets():
     assert bs_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert bs_buckets(3) == [1, 2, 3] and bs_buckets(1) == [1] and bs_buckets(20) == [1, 2, 4, 8, 16, 20]
     assert kv_buckets(8192) == [256, 512, 1024, 2048, 4096, 8192]
-    assert kv_buckets(3000) == [256, 512, 1024, 2048, 3008]     # the context length, aligned
+    assert kv_buckets(3000) == [256, 512, 1024, 2048, 3008]  # the context length, aligned
     assert kv_buckets(100) == [256] and kv_buckets(128, min_kv=16) == [16, 32, 64, 128]
 
 
 def test_guards(path, eager_runner):
-    assert eager_runner.graphs is None                            # CPU: off by default
+    assert eager_runner.graphs is None  # CPU: off by default
     assert ModelRunner(runner_args(path, cuda_graph_eager=True, disable_cuda_graph=True)).graphs is None
     forced = ModelRunner(runner_args(path, cuda_graph_eager=True, max_running_requests=20))
     assert forced.graphs.bs_buckets == [1, 2, 4, 8, 16, 20] and forced.graphs.kv_buckets == [256, 512]
@@ -160,6 +176,7 @@ def test_guards(path, eager_runner):
     with pytest.raises(ValueError, match="cuda_graph_max_bs"):
         ServerArgs(cuda_graph_max_bs=0)
     from plait.cli import build_parser
+
     ns = build_parser().parse_args(["serve", "--disable-cuda-graph", "--cuda-graph-max-bs", "16"])
     assert ns.disable_cuda_graph and ns.cuda_graph_max_bs == 16
 
@@ -188,7 +205,7 @@ def test_static_decode_equals_eager(path, eager_runner, graph_runner):
     eager = [st for st in steps if not st["graph"]]
     assert any(st["max_q"] > 1 for st in eager)
     assert any(st["max_q"] == 1 and st["bsz"] == 5 for st in eager)
-    assert any(st["max_q"] == 1 and st["bsz"] <= 4 for st in eager)            # context > 128
+    assert any(st["max_q"] == 1 and st["bsz"] <= 4 for st in eager)  # context > 128
     used = {st["eligible"] for st in steps if st["graph"]}
     assert {b for b, _ in used} == {1, 2, 4} and {k for _, k in used} >= {16, 32, 64, 128}
     assert any(st["bsz"] == 3 for st in steps if st["graph"]) and g.num_padded_rows > 0
@@ -199,7 +216,7 @@ def e4m3_neighbours(a: torch.Tensor, b: torch.Tensor) -> bool:
     e4m3 spacing at the larger magnitude (3 mantissa bits: 2^(e-3); subnormals 2^-9)."""
     x, y = a.float(), b.float()
     big = torch.maximum(x.abs(), y.abs())
-    step = torch.exp2(torch.floor(torch.log2(big.clamp_min(2.0 ** -6))) - 3)
+    step = torch.exp2(torch.floor(torch.log2(big.clamp_min(2.0**-6))) - 3)
     return bool(((x - y).abs() <= step).all())
 
 
@@ -224,7 +241,9 @@ def test_static_decode_over_an_fp8_cache(path):
             assert runner.graphs.mask.dtype == torch.float32
         rec = Recorder(runner)
         try:
-            outs.append(drive(Scheduler(runner_args(path, chunked_prefill_size=64), runner), workload(runner.tokenizer)))
+            outs.append(
+                drive(Scheduler(runner_args(path, chunked_prefill_size=64), runner), workload(runner.tokenizer))
+            )
         finally:
             rec.close()
         recs.append(rec)
@@ -241,7 +260,7 @@ def test_static_decode_over_an_fp8_cache(path):
         assert_logits_close(b["logits"], a["logits"])
         graph_steps_compared += b["graph"]
     assert any(st["graph"] for st in got)
-    assert graph_steps_compared > 0   # the static path's own fp8 writes and reads were compared
+    assert graph_steps_compared > 0  # the static path's own fp8 writes and reads were compared
 
 
 class OracleDrafts:
@@ -253,15 +272,16 @@ class OracleDrafts:
 
     def propose(self, ids: list[int], k: int) -> list[int]:
         pos = len(ids) - self.prompt_len
-        return [t if (pos + i) % 3 else (t + 1) % 1000 for i, t in enumerate(self.ref[pos:pos + k])]
+        return [t if (pos + i) % 3 else (t + 1) % 1000 for i, t in enumerate(self.ref[pos : pos + k])]
 
 
 def test_draft_steps_fall_back_and_outputs_match(path, eager_runner, graph_runner):
     """With speculation, draft-verification steps run eagerly, plain decodes through the runner;
     the output equals the plain eager run (drafts rejected and accepted, slots reused)."""
     # three requests, speculating while at most two run: plain decode steps before, drafts after
-    arrivals = {0: [req(f"r{i}", [(7 * i + j % 5) * 13 + 100 for j in range(10 + 3 * i)], 8 + 12 * i)
-                    for i in range(3)]}
+    arrivals = {
+        0: [req(f"r{i}", [(7 * i + j % 5) * 13 + 100 for j in range(10 + 3 * i)], 8 + 12 * i) for i in range(3)]
+    }
     ref = drive(Scheduler(runner_args(path), eager_runner), arrivals)
     rec = Recorder(graph_runner)
     try:
@@ -271,7 +291,7 @@ def test_draft_steps_fall_back_and_outputs_match(path, eager_runner, graph_runne
         rec.close()
     assert got == ref
     assert s.num_spec_accepted_tokens > 0 and s.num_spec_proposed_tokens > s.num_spec_accepted_tokens
-    assert any(st["max_q"] > 1 and not st["graph"] for st in rec.steps)   # drafts verified eagerly
+    assert any(st["max_q"] > 1 and not st["graph"] for st in rec.steps)  # drafts verified eagerly
     assert any(st["graph"] for st in rec.steps)
 
 
@@ -310,9 +330,15 @@ class FakeGraphs:
             fake.captures.append(g)
             yield
 
-        for name, value in {"CUDAGraph": Graph, "Stream": lambda *a: Stream(), "current_stream": lambda *a: Stream(),
-                            "stream": lambda s: contextlib.nullcontext(), "device": lambda d: contextlib.nullcontext(),
-                            "graph_pool_handle": object, "graph": graph}.items():
+        for name, value in {
+            "CUDAGraph": Graph,
+            "Stream": lambda *a: Stream(),
+            "current_stream": lambda *a: Stream(),
+            "stream": lambda s: contextlib.nullcontext(),
+            "device": lambda d: contextlib.nullcontext(),
+            "graph_pool_handle": object,
+            "graph": graph,
+        }.items():
             monkeypatch.setattr(torch.cuda, name, value)
 
 
@@ -351,13 +377,14 @@ def test_cuda_capture_replay_equals_eager(path):
     for extra in ({"disable_cuda_graph": True}, {}, {"cuda_graph_eager": True}):
         runner = ModelRunner(ServerArgs(**base, **extra))
         assert (runner.graphs is None) == ("disable_cuda_graph" in extra)
-        if runner.graphs is not None:   # small buckets, as on the CPU: several captures, both limits hit
+        if runner.graphs is not None:  # small buckets, as on the CPU: several captures, both limits hit
             assert runner.graphs.capture == ("cuda_graph_eager" not in extra)
             runner.graphs = DecodeGraphRunner(runner, max_bs=4, max_kv=128, capture=runner.graphs.capture, min_kv=16)
         rec = Recorder(runner)
         try:
-            out = drive(Scheduler(ServerArgs(**base, **extra, chunked_prefill_size=64), runner),
-                        workload(runner.tokenizer))
+            out = drive(
+                Scheduler(ServerArgs(**base, **extra, chunked_prefill_size=64), runner), workload(runner.tokenizer)
+            )
         finally:
             rec.close()
         runs.append((out, rec, runner))

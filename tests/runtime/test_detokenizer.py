@@ -2,6 +2,7 @@
 a stream of TokenOutputs (multibyte characters split across tokens, interleaved requests), a final
 EOS / stop-token id left out of the text, options from a request's first output, and state dropped
 when a request finishes."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,6 +15,7 @@ from plait.runtime.request import TokenOutput
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_path):
     from plait.runtime.model_executor.model_loader import load_tokenizer
+
     return load_tokenizer(smollm2_path)
 
 
@@ -38,7 +40,7 @@ def test_interleaved_multibyte_streams_and_eos(tokenizer):
             seq = ids[rid]
             if i < len(seq):
                 out = TokenOutput(rid=rid, new_ids=[seq[i]])
-            elif i == len(seq):   # finish: the EOS id is counted but not shown
+            elif i == len(seq):  # finish: the EOS id is counted but not shown
                 out = TokenOutput(rid=rid, new_ids=[eos], finish_reason={"type": "stop", "matched": eos})
             else:
                 continue
@@ -48,13 +50,13 @@ def test_interleaved_multibyte_streams_and_eos(tokenizer):
         # through the wire format both ways, as in the process
         msg = codec.decode(codec.encode(worker.handle(codec.decode(codec.encode(TokenOutputBatch(outputs=outs))))))
         for out in msg.outputs:
-            assert "\ufffd" not in out.text_delta      # never half a character
-            assert out.skip_special_tokens is None       # not passed on
+            assert "\ufffd" not in out.text_delta  # never half a character
+            assert out.skip_special_tokens is None  # not passed on
             deltas[out.rid].append(out.text_delta)
     for rid, text in texts.items():
         assert "".join(deltas[rid]) == tokenizer.decode(ids[rid], skip_special_tokens=True) == text
-        assert any(d == "" for d in deltas[rid])          # some character was held until complete
-    assert worker.states == {}                            # dropped once finished
+        assert any(d == "" for d in deltas[rid])  # some character was held until complete
+    assert worker.states == {}  # dropped once finished
 
 
 def test_options_from_first_output_and_matched_stop_token(tokenizer):

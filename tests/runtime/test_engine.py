@@ -1,5 +1,6 @@
 """The Engine (scheduler in its own process) on the real scheduler: protocol shapes, sampling features, caching,
 retraction, concurrency and bad input. Tiny random Llama with the real tokenizer unless marked."""
+
 from __future__ import annotations
 
 import asyncio
@@ -14,8 +15,9 @@ import plait
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dirs):
-    with plait.Engine(model=tiny_model_dirs["llama"], dtype="float32", max_total_tokens=4096,
-                      chunked_prefill_size=64, random_seed=0) as eng:
+    with plait.Engine(
+        model=tiny_model_dirs["llama"], dtype="float32", max_total_tokens=4096, chunked_prefill_size=64, random_seed=0
+    ) as eng:
         yield eng
         assert_no_leak(eng)
 
@@ -32,7 +34,8 @@ def test_result_shape(engine):
     assert meta["completion_tokens"] == len(out["output_ids"])
     assert isinstance(meta["e2e_latency"], float)
     assert out["text"] == engine.tokenizer.decode(
-        [t for t in out["output_ids"] if t not in engine.eos_token_ids], skip_special_tokens=True)
+        [t for t in out["output_ids"] if t not in engine.eos_token_ids], skip_special_tokens=True
+    )
     assert_no_leak(engine)
 
 
@@ -74,18 +77,22 @@ def test_stop_strings_and_tokens(engine):
     text = base["text"]
     assert len(text) > 4
     stop = text[2:4]
-    out = engine.generate("Count: one, two,", {"temperature": 0, "max_new_tokens": 16, "stop": stop,
-                                               "ignore_eos": True})
+    out = engine.generate(
+        "Count: one, two,", {"temperature": 0, "max_new_tokens": 16, "stop": stop, "ignore_eos": True}
+    )
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-    assert out["text"] == text[:text.find(stop)]
-    kept = engine.generate("Count: one, two,", {"temperature": 0, "max_new_tokens": 16, "stop": stop,
-                                                "ignore_eos": True, "no_stop_trim": True})
+    assert out["text"] == text[: text.find(stop)]
+    kept = engine.generate(
+        "Count: one, two,",
+        {"temperature": 0, "max_new_tokens": 16, "stop": stop, "ignore_eos": True, "no_stop_trim": True},
+    )
     assert kept["text"].endswith(stop) or stop in kept["text"]
     tok = base["output_ids"][3]
-    out = engine.generate("Count: one, two,", {"temperature": 0, "max_new_tokens": 16,
-                                               "stop_token_ids": [tok], "ignore_eos": True})
+    out = engine.generate(
+        "Count: one, two,", {"temperature": 0, "max_new_tokens": 16, "stop_token_ids": [tok], "ignore_eos": True}
+    )
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": tok}
-    assert out["output_ids"] == base["output_ids"][:base["output_ids"].index(tok) + 1]
+    assert out["output_ids"] == base["output_ids"][: base["output_ids"].index(tok) + 1]
     assert_no_leak(engine)
 
 
@@ -100,7 +107,7 @@ def test_stop_regex_stops_at_the_completing_token(engine):
     out = engine.generate("Count: one, two,", {**params, "stop_regex": [pattern]})
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
     assert out["output_ids"] == ids[:k]
-    assert out["text"] == engine.tokenizer.decode(ids[:k])     # SGLang keeps a regex's match
+    assert out["text"] == engine.tokenizer.decode(ids[:k])  # SGLang keeps a regex's match
     with pytest.raises(ValueError, match="stop_regex"):
         engine.generate("x", {"max_new_tokens": 2, "stop_regex": "("})
     assert_no_leak(engine)
@@ -111,6 +118,7 @@ def test_encode_is_the_normalized_last_hidden_state(engine, tiny_model_dirs):
     token, L2-normalized: a short prompt, one longer than a prefill chunk (64 tokens here), and the
     same two again once cached (two one-token prefills: a batch that looks like a decode step)."""
     from transformers import AutoModelForCausalLM
+
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["llama"], dtype=torch.float32).eval()
     prompts = ["An embedding of this sentence", "A longer text to embed, " * 12]
     outs = engine.encode(prompts)
@@ -138,8 +146,14 @@ def test_min_new_tokens_and_ignore_eos(engine):
 def test_logprobs(engine):
     prompt = "Logprobs are log probabilities of tokens"
     ids = engine.tokenizer(prompt).input_ids
-    out = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 4}, return_logprob=True,
-                          logprob_start_len=2, top_logprobs_num=3, return_text_in_logprobs=True)
+    out = engine.generate(
+        prompt,
+        {"temperature": 0, "max_new_tokens": 4},
+        return_logprob=True,
+        logprob_start_len=2,
+        top_logprobs_num=3,
+        return_text_in_logprobs=True,
+    )
     meta = out["meta_info"]
     inp = meta["input_token_logprobs"]
     assert [t for _, t, _ in inp] == ids[2:]
@@ -165,8 +179,9 @@ def test_logprobs(engine):
 
 def test_streaming_is_cumulative(engine):
     full = engine.generate("Stream this please", {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True})
-    chunks = list(engine.generate("Stream this please", {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True},
-                                  stream=True))
+    chunks = list(
+        engine.generate("Stream this please", {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}, stream=True)
+    )
     assert len(chunks) == 10
     texts = [c["text"] for c in chunks]
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
@@ -188,6 +203,7 @@ def test_async_generate(engine):
         outs = await asyncio.gather(*[engine.async_generate(f"async {i}", GREEDY) for i in range(4)])
         chunks = [c async for c in await engine.async_generate("async stream", GREEDY, stream=True)]
         return outs, chunks
+
     outs, chunks = asyncio.run(main())
     assert len(outs) == 4 and all(o["meta_info"]["completion_tokens"] > 0 for o in outs)
     assert chunks[-1]["meta_info"]["finish_reason"] is not None
@@ -205,13 +221,16 @@ def test_concurrent_requests_equal_alone(engine):
     assert_no_leak(engine)
 
 
-@pytest.mark.parametrize("bad, field", [
-    ({"max_new_tokens": -1}, "max_new_tokens"),
-    ({"temperature": -0.5}, "temperature"),
-    ({"top_p": 0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"bogus_key": 1}, "bogus_key"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"bogus_key": 1}, "bogus_key"),
+    ],
+)
 def test_bad_sampling_params(engine, bad, field):
     with pytest.raises(ValueError, match=field):
         engine.generate("hi", bad)
@@ -246,8 +265,13 @@ def test_retraction_under_small_pool(tiny_model_dirs):
 
 
 def test_fcfs_and_no_radix_cache(tiny_model_dirs):
-    with plait.Engine(model=tiny_model_dirs["qwen3"], dtype="float32", max_total_tokens=2048,
-                      schedule_policy="fcfs", disable_radix_cache=True) as eng:
+    with plait.Engine(
+        model=tiny_model_dirs["qwen3"],
+        dtype="float32",
+        max_total_tokens=2048,
+        schedule_policy="fcfs",
+        disable_radix_cache=True,
+    ) as eng:
         a = eng.generate("same prompt twice", GREEDY)
         b = eng.generate("same prompt twice", GREEDY)
         assert b["meta_info"]["cached_tokens"] == 0
@@ -264,11 +288,11 @@ def test_single_prompt_with_n_returns_list(engine):
 
 
 def test_abort_before_submit_and_rid_reuse(engine):
-    engine.abort("early-bird")            # a client racing its own request
+    engine.abort("early-bird")  # a client racing its own request
     out = engine.generate("early", {"max_new_tokens": 50, "ignore_eos": True}, rid="early-bird")
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     done = engine.generate("reuse", {"max_new_tokens": 2}, rid="reused")
-    engine.abort("reused")                # aborting a finished request does nothing...
+    engine.abort("reused")  # aborting a finished request does nothing...
     again = engine.generate("reuse", {"max_new_tokens": 2}, rid="reused")
     assert again["meta_info"]["finish_reason"]["type"] == done["meta_info"]["finish_reason"]["type"] != "abort"
     assert_no_leak(engine)

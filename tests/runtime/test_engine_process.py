@@ -1,6 +1,7 @@
 """The scheduler and the detokenizer as separate processes: where they run, its private socket directory, clean
 shutdown, a scheduler that dies mid-request, a parent that dies, start-up errors, the worker's
 message handling, and the wire format (typed msgspec messages, no pickle)."""
+
 from __future__ import annotations
 
 import json
@@ -55,7 +56,7 @@ def _alive(pid: int) -> bool:
 def _cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def _wait_gone(pid: int, timeout: float) -> bool:
@@ -89,7 +90,7 @@ def test_scheduler_process_and_clean_shutdown(tiny_model_dirs):
             child_env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
         assert child_env[b"OMP_WAIT_POLICY"] == os.environ.get("OMP_WAIT_POLICY", "PASSIVE").encode()
         assert child_env[b"GOMP_SPINCOUNT"] == os.environ.get("GOMP_SPINCOUNT", "20000").encode()
-        assert os.environ.get("GOMP_SPINCOUNT") == spin_before   # set for the child only
+        assert os.environ.get("GOMP_SPINCOUNT") == spin_before  # set for the child only
         cpu = _cpu_seconds(pid)
         time.sleep(1.0)
         # A bounded busy-wait after each parallel region, then sleep: no spinning between requests.
@@ -100,11 +101,11 @@ def test_scheduler_process_and_clean_shutdown(tiny_model_dirs):
     finally:
         eng.shutdown()
     assert not os.path.exists(ipc_dir)
-    assert _wait_gone(pid, 1) and _wait_gone(detok, 1)   # shutdown joins them: already gone
+    assert _wait_gone(pid, 1) and _wait_gone(detok, 1)  # shutdown joins them: already gone
     with pytest.raises(RuntimeError, match="shut down"):
         eng.generate("hello", {"max_new_tokens": 1})
-    eng.abort("anything")       # a no-op, never an error
-    eng.shutdown()              # idempotent
+    eng.abort("anything")  # a no-op, never an error
+    eng.shutdown()  # idempotent
 
 
 def test_openmp_environ_is_set_for_the_children_and_restored(monkeypatch):
@@ -112,7 +113,7 @@ def test_openmp_environ_is_set_for_the_children_and_restored(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     with openmp_environ(ServerArgs(omp_spincount=1234)):
         assert os.environ["GOMP_SPINCOUNT"] == "1234"
-        assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"    # the user's choice wins
+        assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"  # the user's choice wins
     assert "GOMP_SPINCOUNT" not in os.environ and os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
     monkeypatch.setenv("GOMP_SPINCOUNT", "7")
     with openmp_environ(ServerArgs(omp_spincount=0)):
@@ -121,6 +122,7 @@ def test_openmp_environ_is_set_for_the_children_and_restored(monkeypatch):
     with pytest.raises(ValueError, match="omp_spincount"):
         ServerArgs(omp_spincount=-1)
     from plait.cli import _ENGINE_OPTIONS, build_parser
+
     assert build_parser().parse_args(["serve", "--omp-spincount", "0"]).omp_spincount == 0
     assert "omp_spincount" in _ENGINE_OPTIONS
 
@@ -139,7 +141,7 @@ def test_killed_scheduler_aborts_pending_requests(tiny_model_dirs):
         worker = threading.Thread(target=batch, daemon=True)
         worker.start()
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:   # all four requests are in the scheduler
+        while time.monotonic() < deadline:  # all four requests are in the scheduler
             info = eng.get_server_info()
             if info["num_running"] + info["num_waiting"] >= 4:
                 break
@@ -193,7 +195,7 @@ def test_killed_detokenizer_aborts_pending_requests(tiny_model_dirs):
         ipc_dir = eng.ipc_dir
         eng.shutdown()
     assert not os.path.exists(ipc_dir)
-    assert _wait_gone(sched, 1)   # the scheduler is stopped too
+    assert _wait_gone(sched, 1)  # the scheduler is stopped too
 
 
 def test_scheduler_exits_when_parent_dies(tiny_model_dirs):
@@ -203,17 +205,21 @@ def test_scheduler_exits_when_parent_dies(tiny_model_dirs):
         print(eng.scheduler_pid, eng.detokenizer_pid, eng.ipc_dir, flush=True)
         time.sleep(60)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
+    )
     try:
         pid, detok, ipc_dir = proc.stdout.readline().split()
         pid, detok = int(pid), int(detok)
         assert _alive(pid) and _alive(detok)
-        proc.kill()            # no atexit, no finalizers: only the children's own checks can act
+        proc.kill()  # no atexit, no finalizers: only the children's own checks can act
         proc.wait()
         assert _wait_gone(pid, 5), "the scheduler outlived its parent"
         assert _wait_gone(detok, 5), "the detokenizer outlived its parent"
-        assert not os.path.exists(ipc_dir)           # the child removed it on its way out
+        assert not os.path.exists(ipc_dir)  # the child removed it on its way out
     finally:
         proc.kill()
         proc.wait()
@@ -235,11 +241,12 @@ def test_unknown_model_and_unsupported_architecture_fail_fast(tmp_path, tiny_mod
     with pytest.raises(ValueError, match="supported: .*LlamaForCausalLM"):
         plait.Engine(model=str(tmp_path / "m"))
     assert time.monotonic() - start < 10
-    assert len(_scheduler_children()) == before   # checked before any process was started
+    assert len(_scheduler_children()) == before  # checked before any process was started
 
 
 def test_child_start_up_error_is_raised(tiny_model_dirs):
     import torch
+
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA")
     with pytest.raises(ValueError, match="CUDA is not available"):
@@ -301,7 +308,7 @@ def test_worker_failed_step_aborts_everything_and_keeps_serving():
     worker.step()
     assert all(o.skip_special_tokens is None for o in sent.pop().outputs)
     sched.fail = True
-    worker.step()   # must not raise
+    worker.step()  # must not raise
     outs = sent.pop().outputs
     assert sorted(o.rid for o in outs) == ["a", "b"]
     assert all(o.finish_reason["type"] == "abort" and "boom" in o.finish_reason["message"] for o in outs)
@@ -339,10 +346,22 @@ def test_worker_holds_a_non_streaming_request_until_it_finishes():
     assert out.rid == "q" and out.new_ids == [7, 7, 7] and out.finish_reason["type"] == "abort"
     assert out.skip_special_tokens is True and out.spaces_between_special_tokens is True
     assert not worker.held and not worker.quiet and "q" not in worker.live
-    a = TokenOutput(rid="x", new_ids=[1], output_logprobs=[[-0.5, 1]], input_logprobs=[[None, 9]],
-                    skip_special_tokens=False, prompt_tokens=4)
-    b = TokenOutput(rid="x", new_ids=[2, 3], output_logprobs=[[-1.0, 2], [-2.0, 3]], prompt_tokens=4,
-                    cached_tokens=2, finish_reason={"type": "length", "length": 3})
+    a = TokenOutput(
+        rid="x",
+        new_ids=[1],
+        output_logprobs=[[-0.5, 1]],
+        input_logprobs=[[None, 9]],
+        skip_special_tokens=False,
+        prompt_tokens=4,
+    )
+    b = TokenOutput(
+        rid="x",
+        new_ids=[2, 3],
+        output_logprobs=[[-1.0, 2], [-2.0, 3]],
+        prompt_tokens=4,
+        cached_tokens=2,
+        finish_reason={"type": "length", "length": 3},
+    )
     m = a.merged(b)
     assert m.new_ids == [1, 2, 3] and m.output_logprobs == [[-0.5, 1], [-1.0, 2], [-2.0, 3]]
     assert m.input_logprobs == [[None, 9]] and m.skip_special_tokens is False
@@ -352,28 +371,55 @@ def test_worker_holds_a_non_streaming_request_until_it_finishes():
 # --- the wire format ---------------------------------------------------------------------------
 def test_every_message_round_trips_through_msgpack():
     import numpy as np
+
     params = SamplingParams(temperature=0.5, stop=["\n"], stop_token_ids=[3], seed=2**62, json_schema="{}")
     to_sched = [
-        GenerateInput(rid="r1", input_ids=[1, 2, 3], params=params, seed=2**62 + 3, return_logprob=True,
-                      logprob_start_len=0, top_logprobs_num=2),
-        AbortReq(rid="r1"), RpcReq(id=1, method="get_server_info"), Shutdown(),
+        GenerateInput(
+            rid="r1",
+            input_ids=[1, 2, 3],
+            params=params,
+            seed=2**62 + 3,
+            return_logprob=True,
+            logprob_start_len=0,
+            top_logprobs_num=2,
+        ),
+        AbortReq(rid="r1"),
+        RpcReq(id=1, method="get_server_info"),
+        Shutdown(),
     ]
     from_sched = [
-        TokenOutputBatch(outputs=[
-            TokenOutput(rid="r1", new_ids=[5], output_logprobs=[[-math.inf, 5]], input_logprobs=[[None, 1]],
-                        skip_special_tokens=False, spaces_between_special_tokens=True, text_delta="é🙂"),
-            TokenOutput(rid="r2", new_ids=[], finish_reason={"type": "stop", "matched": 2},
-                        prompt_tokens=3, cached_tokens=1)]),
-        RpcReply(id=1, result={"num_running": 0}), RpcReply(id=2, error="ValueError: x"),
-        Ready(info={"context_len": 512, "eos_ids": [2]}), Fatal(message="bad", kind="value", traceback="tb"),
+        TokenOutputBatch(
+            outputs=[
+                TokenOutput(
+                    rid="r1",
+                    new_ids=[5],
+                    output_logprobs=[[-math.inf, 5]],
+                    input_logprobs=[[None, 1]],
+                    skip_special_tokens=False,
+                    spaces_between_special_tokens=True,
+                    text_delta="é🙂",
+                ),
+                TokenOutput(
+                    rid="r2", new_ids=[], finish_reason={"type": "stop", "matched": 2}, prompt_tokens=3, cached_tokens=1
+                ),
+            ]
+        ),
+        RpcReply(id=1, result={"num_running": 0}),
+        RpcReply(id=2, error="ValueError: x"),
+        Ready(info={"context_len": 512, "eos_ids": [2]}),
+        Fatal(message="bad", kind="value", traceback="tb"),
         Fatal(message="no tokenizer", process="detokenizer"),
     ]
-    for union, msgs in ((ToScheduler, to_sched), (FromScheduler, from_sched), (ToDetokenizer, from_sched + [Shutdown()])):
+    for union, msgs in (
+        (ToScheduler, to_sched),
+        (FromScheduler, from_sched),
+        (ToDetokenizer, from_sched + [Shutdown()]),
+    ):
         codec = Codec(union)
         for msg in msgs:
             data = codec.encode(msg)
-            assert not data.startswith(b"\x80")                 # not a pickle stream
-            assert msgspec.msgpack.decode(data)["type"] == type(msg).__name__   # tagged msgpack map
+            assert not data.startswith(b"\x80")  # not a pickle stream
+            assert msgspec.msgpack.decode(data)["type"] == type(msg).__name__  # tagged msgpack map
             assert codec.decode(data) == msg
     # numbers that pass validation (numpy ints) travel as plain ints
     codec = Codec(ToScheduler)

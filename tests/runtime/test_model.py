@@ -1,6 +1,7 @@
 """Our model code computes what HF transformers computes: logits within 1e-4 (float32) for a
 prefill, decode steps, a cached prefix, chunked prefill and a mixed batch, on tiny random models
 of each architecture and on the real SmolLM2."""
+
 from __future__ import annotations
 
 import pytest
@@ -29,8 +30,9 @@ class Harness:
     """Drives ModelRunner directly: per-request rows, slots and extend steps."""
 
     def __init__(self, path: str, slots: int = 2048, prepack: bool = False, **args):
-        self.runner = ModelRunner(ServerArgs(model=path, dtype="float32", max_total_tokens=slots,
-                                             disable_weight_prepack=not prepack, **args))
+        self.runner = ModelRunner(
+            ServerArgs(model=path, dtype="float32", max_total_tokens=slots, disable_weight_prepack=not prepack, **args)
+        )
         self.alloc = TokenSlotAllocator(slots)
         self.table = ReqToTokenTable(8, self.runner.context_len + 1)
         self.kv_len: dict[int, int] = {}
@@ -46,7 +48,7 @@ class Harness:
         for row, toks in work:
             start = self.kv_len[row]
             slots = self.alloc.alloc(len(toks))
-            self.table.table[row, start:start + len(toks)] = slots
+            self.table.table[row, start : start + len(toks)] = slots
             idx += range(len(ids), len(ids) + len(toks))
             ids += toks
             rows.append(row)
@@ -58,7 +60,7 @@ class Harness:
         out, pos = [], 0
         for row, toks in work:
             self.kv_len[row] += len(toks)
-            out.append(logits[pos:pos + len(toks)])
+            out.append(logits[pos : pos + len(toks)])
             pos += len(toks)
         return out
 
@@ -110,10 +112,13 @@ def check_model(path: str, prompts: list[list[int]], prepack: bool = False) -> N
 @pytest.fixture(scope="module")
 def prompts(smollm2_path):
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(smollm2_path)
-    texts = ["The quick brown fox jumps over the lazy dog, and then it runs far away.",
-             "The quick brown fox jumps over the fence into a garden full of flowers.",
-             "Paged attention stores keys and values in fixed slots so requests can share prefixes " * 3]
+    texts = [
+        "The quick brown fox jumps over the lazy dog, and then it runs far away.",
+        "The quick brown fox jumps over the fence into a garden full of flowers.",
+        "Paged attention stores keys and values in fixed slots so requests can share prefixes " * 3,
+    ]
     return [tok(t).input_ids for t in texts]
 
 
@@ -147,6 +152,7 @@ def test_prepacked_tiny_models(tiny_model_dirs, prompts):
 def test_unsupported_architecture(tmp_path, tiny_model_dirs):
     import json
     import shutil
+
     src = tiny_model_dirs["llama"]
     shutil.copytree(src, tmp_path / "m", dirs_exist_ok=True)
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
@@ -181,6 +187,7 @@ def test_packed_linear_bfloat16_rows(rows, onednn, small_gemm, monkeypatch):
     import sys
 
     from plait.runtime.layers import prepack
+
     if not prepack.prepack_available():
         pytest.skip("this torch has no oneDNN prepacked linear")
     cpu_kernels.load()
@@ -199,7 +206,7 @@ def test_packed_linear_bfloat16_rows(rows, onednn, small_gemm, monkeypatch):
     assert (lin.packed is not None) == onednn and (lin.weight is not None) == (not onednn and not small_gemm)
     got, ref = lin(x), torch.nn.functional.linear(x.float(), w.float(), b.float())
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), ref, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
+    torch.testing.assert_close(got.float(), ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
 
 
 @pytest.mark.parametrize("rows", [1, 3, 64, 65])
@@ -210,6 +217,7 @@ def test_packed_linear_float32_rows(rows, bias, small_gemm, monkeypatch):
     two-core batched GEMV (both halves of the output, in order); more rows through oneDNN's GEMM:
     all equal F.linear."""
     from plait.runtime.layers.prepack import PackedLinear, prepack_available
+
     if not prepack_available():
         pytest.skip("this torch has no oneDNN prepacked linear")
     cpu_kernels.load()

@@ -1,4 +1,5 @@
 """Tests for plait.runtime.model_executor.model_loader: model= resolution, GGUF conversion and its cache."""
+
 from __future__ import annotations
 
 import json

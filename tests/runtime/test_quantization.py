@@ -1,6 +1,7 @@
 """int8 and int4 weights: the quantized linear computes what its dequantized weight computes, a
 quantized model serves through the Engine, and on the real SmolLM2 int8 stays close to float32;
 int4 recovers a GGUF Q4_1 file's codes exactly."""
+
 from __future__ import annotations
 
 import math
@@ -24,15 +25,15 @@ from plait.runtime.server_args import ServerArgs
 
 def test_quantize_int8_round_trip():
     torch.manual_seed(0)
-    w = torch.randn(48, 80) * torch.logspace(-2, 1, 48)[:, None]   # rows of very different ranges
+    w = torch.randn(48, 80) * torch.logspace(-2, 1, 48)[:, None]  # rows of very different ranges
     q, scale = quantize_int8(w)
     assert q.dtype == torch.int8 and scale.shape == (48,)
-    assert q.abs().max() == 127                                     # each row uses its full range
+    assert q.abs().max() == 127  # each row uses its full range
     err = (q.float() * scale[:, None] - w).abs()
-    assert (err <= scale[:, None] / 2 + 1e-6).all()                 # rounding error at most half a step
+    assert (err <= scale[:, None] / 2 + 1e-6).all()  # rounding error at most half a step
 
 
-@pytest.mark.parametrize("rows", [1, 3, 7, 200])   # int8pack: int8 kernel below 4 rows, bf16 copy from 4
+@pytest.mark.parametrize("rows", [1, 3, 7, 200])  # int8pack: int8 kernel below 4 rows, bf16 copy from 4
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_linear_matches_dequantized(rows, bias):
     torch.manual_seed(1)
@@ -43,9 +44,9 @@ def test_int8_linear_matches_dequantized(rows, bias):
         ref = F.linear(x, lin.dequantized(), b)
         got = lin(x)
         assert got.shape == (rows, 96) and got.dtype == torch.float32
-        if kernel == "dequant":   # F.linear on the same dequantized weight: float32 summation order only
+        if kernel == "dequant":  # F.linear on the same dequantized weight: float32 summation order only
             torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
-        else:   # bfloat16 activations: relative error ~2^-8 of the output's magnitude
+        else:  # bfloat16 activations: relative error ~2^-8 of the output's magnitude
             assert (got - ref).abs().max() < 0.01 * ref.abs().max()
     # leading dimensions are kept
     assert Int8Linear(w, b, "int8pack")(x.reshape(rows, 1, 64)).shape == (rows, 1, 96)
@@ -73,7 +74,7 @@ def test_fp8_needs_cuda_and_falls_back_to_int8():
 
 
 def test_quantize_model_replaces_plain_linears_only():
-    class AllReduced(nn.Linear):   # a subclass with its own forward is left alone
+    class AllReduced(nn.Linear):  # a subclass with its own forward is left alone
         def forward(self, x):
             return super().forward(x) * 2
 
@@ -86,6 +87,7 @@ def test_quantize_model_replaces_plain_linears_only():
 
 def test_server_args_and_cli_flag():
     from plait.cli import _ENGINE_OPTIONS, build_parser
+
     assert ServerArgs(quantization="int8").quantization == "int8"
     assert ServerArgs(quantization="int4").quantization == "int4"
     with pytest.raises(ValueError, match="quantization"):
@@ -93,7 +95,7 @@ def test_server_args_and_cli_flag():
     ns = build_parser().parse_args(["serve", "--quantization", "int8"])
     assert ns.quantization == "int8" and "quantization" in _ENGINE_OPTIONS
     assert build_parser().parse_args(["serve", "--quantization", "int4"]).quantization == "int4"
-    ns = build_parser().parse_args(["serve", "--disable-weight-prepack"])   # one copy of the weights
+    ns = build_parser().parse_args(["serve", "--disable-weight-prepack"])  # one copy of the weights
     assert ns.disable_weight_prepack and "disable_weight_prepack" in _ENGINE_OPTIONS
 
 
@@ -118,15 +120,17 @@ def test_tiny_int8_model_through_engine(tiny_model_dirs):
     from conftest import assert_no_leak
 
     import plait
-    path = tiny_model_dirs["qwen2"]   # untied LM head and q/k/v biases
+
+    path = tiny_model_dirs["qwen2"]  # untied LM head and q/k/v biases
     h = int8_harness(path)
     modules = list(h.runner.model.modules())
     assert not any(type(m) is nn.Linear for m in modules) and any(isinstance(m, Int8Linear) for m in modules)
     prompts = [[1, 15, 27, 99, 300, 7], [1, 4000, 12, 5]]
     expected = [greedy(h, p, 8) for p in prompts]
     with plait.Engine(model=path, dtype="float32", quantization="int8", max_total_tokens=2048) as eng:
-        outs = eng.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 8,
-                                                                "ignore_eos": True})
+        outs = eng.generate(
+            input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+        )
         assert [o["output_ids"] for o in outs] == expected
         assert_no_leak(eng)
 
@@ -143,10 +147,17 @@ def perplexity(h: Harness, ids: list[int]) -> float:
 def test_smollm2_int8_close_to_float32(smollm2_path):
     from plait.benchmarks.quality import TEXT
     from plait.runtime.model_executor.model_loader import load_tokenizer
+
     tok = load_tokenizer(smollm2_path)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=True, add_generation_prompt=True)
-               for c in ("What is the capital of France?", "Write a haiku about the sea.",
-                         "List three prime numbers.", "Explain what a lighthouse does.")]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": c}], tokenize=True, add_generation_prompt=True)
+        for c in (
+            "What is the capital of France?",
+            "Write a haiku about the sea.",
+            "List three prime numbers.",
+            "Explain what a lighthouse does.",
+        )
+    ]
     prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
     text = tok.encode(TEXT)
     ref, q = Harness(smollm2_path), int8_harness(smollm2_path)
@@ -171,6 +182,7 @@ def test_smollm2_int8_close_to_float32(smollm2_path):
 
 
 # --- int4 (group-32 asymmetric, GGUF Q4_1's scheme) ---
+
 
 def q4_1_tensor(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A synthetic Q4_1 tensor as a GGUF file holds it and as the loader dequantizes it:
@@ -204,9 +216,10 @@ def test_quantize_int4_is_ggml_q4_1():
     import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
+
     torch.manual_seed(3)
     w = torch.randn(16, 128) * torch.logspace(-3, 0, 16)[:, None]
-    raw = quantize(w.numpy(), GGMLQuantizationType.Q4_1).reshape(-1, 20)   # per block: d, m (fp16), 16 bytes
+    raw = quantize(w.numpy(), GGMLQuantizationType.Q4_1).reshape(-1, 20)  # per block: d, m (fp16), 16 bytes
     nibbles = raw[:, 4:]
     codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=1).reshape(16, 128)
     q, scale, minimum = quantize_int4(w)
@@ -223,9 +236,10 @@ def test_int4_recovers_the_bundled_gguf_codes():
     from gguf.quants import dequantize
 
     from plait.runtime.model_executor.model_loader import _bundled_smollm2_gguf
+
     t = next(t for t in GGUFReader(_bundled_smollm2_gguf()).tensors if t.name == "blk.3.ffn_down.weight")
     assert t.tensor_type.name == "Q4_1"
-    w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))   # [576, 1536]
+    w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # [576, 1536]
     blocks = np.asarray(t.data).reshape(-1, 20)
     codes = np.concatenate([blocks[:, 4:] & 15, blocks[:, 4:] >> 4], axis=1).reshape(w.shape)
     q, scale, minimum = quantize_int4(w)
@@ -244,11 +258,12 @@ def test_int4_dequantized_within_half_a_step():
     assert ((lin.dequantized() - w).abs() <= 0.55 * step + 1e-7).all()
 
 
-@pytest.mark.parametrize("rows", [1, 8, 9, 10, 200])   # int4pack: our GEMV up to 8 rows (else torch's int4
-@pytest.mark.parametrize("bias", [False, True])       # kernel up to 9), the bf16 copy from there on;
-@pytest.mark.parametrize("gemv,all_rows", [(True, False), (True, True), (False, False)])   # or the GEMV for all
+@pytest.mark.parametrize("rows", [1, 8, 9, 10, 200])  # int4pack: our GEMV up to 8 rows (else torch's int4
+@pytest.mark.parametrize("bias", [False, True])  # kernel up to 9), the bf16 copy from there on;
+@pytest.mark.parametrize("gemv,all_rows", [(True, False), (True, True), (False, False)])  # or the GEMV for all
 def test_int4_linear_matches_dequantized(rows, bias, gemv, all_rows, monkeypatch):
     from plait.runtime.kernels.cpu import cpu_kernels
+
     cpu_kernels.load()
     if gemv and not cpu_kernels.int4_gemv_available():
         pytest.skip("no AVX512-VNNI or AVX2")
@@ -262,33 +277,34 @@ def test_int4_linear_matches_dequantized(rows, bias, gemv, all_rows, monkeypatch
         ref = F.linear(x, lin.dequantized(), b)
         got = lin(x)
         assert got.shape == (rows, 96) and got.dtype == torch.float32
-        if kernel == "dequant":   # F.linear on the same dequantized weight: float32 summation order only
+        if kernel == "dequant":  # F.linear on the same dequantized weight: float32 summation order only
             torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
         elif gemv and (rows <= 8 or all_rows):
-            assert lin.packed_gemv is not None and lin.packed_int4 is None   # not a third copy
-            assert (lin.packed_bf16 is None) == all_rows                      # nor a bf16 one where unused
+            assert lin.packed_gemv is not None and lin.packed_int4 is None  # not a third copy
+            assert (lin.packed_bf16 is None) == all_rows  # nor a bf16 one where unused
             # int16 activations, float32 out: the exact product up to ~1e-5
             assert (got - ref).abs().max() < 1e-4 * ref.abs().max()
         else:
             assert (lin.packed_gemv is None) != gemv and (lin.packed_int4 is None) == gemv
-            if rows > 9 and cpu_kernels.small_gemm_available(torch.bfloat16):   # the copy: panels only
+            if rows > 9 and cpu_kernels.small_gemm_available(torch.bfloat16):  # the copy: panels only
                 assert lin.packed_bf16.panels is not None and lin.packed_bf16.packed is None
             # bfloat16 activations (torch's kernel: also its scales; from 10 rows: the weights):
             # compare with the same rounding of x; what is left is ~2^-8 of the output's magnitude.
             ref_bf16 = F.linear(x.bfloat16().float(), lin.dequantized(), b)
-            assert (got - ref_bf16).abs().max() < 2 ** -7 * ref_bf16.abs().max()
+            assert (got - ref_bf16).abs().max() < 2**-7 * ref_bf16.abs().max()
     assert Int4Linear(w, b)(x.reshape(rows, 1, 128)).shape == (rows, 1, 96)
 
 
 def test_int4_kernel_constraints_fall_back(monkeypatch):
     import plait.runtime.layers.quantization as quant
+
     torch.manual_seed(6)
     x = torch.randn(1, 64)
     # N not a multiple of 16: no int4 kernel, the bf16 copy serves every row
     lin = Int4Linear(torch.randn(40, 64), None, kernel="int4pack")
     assert lin.packed_int4 is None and lin.packed_gemv is None
     ref = F.linear(x.bfloat16().float(), lin.dequantized())
-    assert (lin(x) - ref).abs().max() < 2 ** -7 * ref.abs().max()
+    assert (lin(x) - ref).abs().max() < 2**-7 * ref.abs().max()
     # K not a multiple of the group: that layer is int8
     model = nn.Sequential(nn.Linear(48, 32), nn.Linear(32, 64))
     assert quantize_model(model, "int4") == 2
@@ -307,6 +323,7 @@ def test_int4_kernel_constraints_fall_back(monkeypatch):
 def dequantized_reference(path: str) -> Harness:
     """A float32 model whose linear weights are the int4 ones dequantized (LM head: int8's)."""
     from plait.runtime.distributed.parallel import ParallelLMHead
+
     h = Harness(path)
     with torch.no_grad():
         for mod in list(h.runner.model.modules()):
@@ -324,23 +341,25 @@ def test_tiny_int4_model_through_engine(tiny_model_dirs):
 
     import plait
     from plait.runtime.distributed.parallel import ParallelLMHead
-    path = tiny_model_dirs["qwen2"]   # untied LM head and q/k/v biases
+
+    path = tiny_model_dirs["qwen2"]  # untied LM head and q/k/v biases
     h = Harness(path)
     assert quantize_model(h.runner.model, "int4") > 0
     modules = list(h.runner.model.modules())
     assert not any(type(m) is nn.Linear for m in modules)
-    assert sum(isinstance(m, Int4Linear) and (m.packed_int4 is not None or m.packed_gemv is not None)
-               for m in modules) == 2 * 4
+    assert (
+        sum(isinstance(m, Int4Linear) and (m.packed_int4 is not None or m.packed_gemv is not None) for m in modules)
+        == 2 * 4
+    )
     head = next(m for m in modules if isinstance(m, ParallelLMHead))
-    assert isinstance(head.packed, Int8Linear)   # the LM head stays 8-bit
+    assert isinstance(head.packed, Int8Linear)  # the LM head stays 8-bit
     prompts = [[1, 15, 27, 99, 300, 7], [1, 4000, 12, 5]]
     expected = [greedy(h, p, 8) for p in prompts]
     ref = dequantized_reference(path)
     assert [greedy(ref, p, 4) for p in prompts] == [e[:4] for e in expected]
     with plait.Engine(model=path, dtype="float32", quantization="int4", max_total_tokens=2048) as eng:
-        for p, e in zip(prompts, expected):   # one at a time: 1-row decode steps, as greedy() runs them
-            out = eng.generate(input_ids=p, sampling_params={"temperature": 0, "max_new_tokens": 8,
-                                                             "ignore_eos": True})
+        for p, e in zip(prompts, expected):  # one at a time: 1-row decode steps, as greedy() runs them
+            out = eng.generate(input_ids=p, sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
             assert out["output_ids"] == e
         assert_no_leak(eng)
 
@@ -353,8 +372,9 @@ def test_smollm2_int4_closer_to_float32_than_int8(smollm2_path):
     0.00107, torch's int4 kernel 0.00121, int8 0.00461)."""
     from plait.benchmarks.quality import TEXT
     from plait.runtime.model_executor.model_loader import load_tokenizer
+
     ids = load_tokenizer(smollm2_path).encode(TEXT, add_special_tokens=False)
-    n = 16   # decode steps at the end of the text
+    n = 16  # decode steps at the end of the text
 
     def log_probs(h: Harness) -> tuple[torch.Tensor, torch.Tensor]:
         row = h.new_row()

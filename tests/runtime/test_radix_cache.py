@@ -1,4 +1,5 @@
 """Radix prefix cache: unit tests plus a stateful test against a per-position reference model."""
+
 from __future__ import annotations
 
 import pytest
@@ -300,7 +301,7 @@ class RadixMachine(RuleBasedStateMachine):
 
     def ref_match(self, ids) -> int:
         k = 0
-        while k < len(ids) and tuple(ids[:k + 1]) in self.ref:
+        while k < len(ids) and tuple(ids[: k + 1]) in self.ref:
             k += 1
         return k
 
@@ -317,14 +318,14 @@ class RadixMachine(RuleBasedStateMachine):
         assert n == expected
         self.held += slots[:n].tolist()
         for j in range(n, len(ids)):
-            self.ref[tuple(ids[:j + 1])] = int(slots[j])
+            self.ref[tuple(ids[: j + 1])] = int(slots[j])
 
     @rule(ids=SEQS)
     def match(self, ids):
         k = self.ref_match(ids)
         got, node = self.cache.match_prefix(ids)
         assert got.dtype == torch.int64 and got.dim() == 1
-        assert got.tolist() == [self.ref[tuple(ids[:j + 1])] for j in range(k)]
+        assert got.tolist() == [self.ref[tuple(ids[: j + 1])] for j in range(k)]
         assert (node is self.cache.root) == (k == 0)
 
     @rule(ids=SEQS)
@@ -407,6 +408,6 @@ class RadixMachine(RuleBasedStateMachine):
 
 
 RadixMachine.TestCase.settings = settings(
-    max_examples=120, stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
+    max_examples=120, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 test_radix_cache_stateful = RadixMachine.TestCase

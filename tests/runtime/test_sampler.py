@@ -1,4 +1,5 @@
 """Tests for runtime.sampling_params and runtime.sampler (CPU, fast)."""
+
 from __future__ import annotations
 
 import random
@@ -20,7 +21,10 @@ def build(params, logits_or_V, seeds=None, steps=None, prompts=None, outputs=Non
         seeds if seeds is not None else list(range(B)),
         steps if steps is not None else [len(o) for o in outputs],
         prompts if prompts is not None else [[] for _ in range(B)],
-        outputs, list(eos), V)
+        outputs,
+        list(eos),
+        V,
+    )
 
 
 def sample(params, logits, **kw):
@@ -31,8 +35,7 @@ def empirical(logits_row: torch.Tensor, p: SP, n: int, seed: int = 1234) -> torc
     """Frequencies of n draws for one row, varying the step (one batched call)."""
     V = logits_row.numel()
     logits = logits_row.unsqueeze(0).expand(n, V).contiguous()
-    toks = sample([p] * n, logits, seeds=[seed] * n, steps=list(range(n)),
-                  outputs=[[] for _ in range(n)], eos=())
+    toks = sample([p] * n, logits, seeds=[seed] * n, steps=list(range(n)), outputs=[[] for _ in range(n)], eos=())
     return torch.bincount(toks, minlength=V).double() / n
 
 
@@ -65,8 +68,7 @@ def test_top_k_one_is_greedy():
 def test_mixed_batch_greedy_rows_are_argmax():
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(6, 64, generator=g)
-    params = [SP(temperature=0), SP(temperature=1.0), SP(top_k=1), SP(top_p=0.9),
-              SP(temperature=0), SP(min_p=0.1)]
+    params = [SP(temperature=0), SP(temperature=1.0), SP(top_k=1), SP(top_p=0.9), SP(temperature=0), SP(min_p=0.1)]
     out = sample(params, logits)
     for b in (0, 2, 4):
         assert out[b] == logits[b].argmax()
@@ -96,14 +98,18 @@ def test_same_seed_and_step_same_token_regardless_of_batch():
 
     # Each row alone.
     for i in range(n):
-        alone = sampler(logits[i:i + 1], build(params[i:i + 1], V, seeds=seeds[i:i + 1],
-                                               steps=steps[i:i + 1]))
+        alone = sampler(logits[i : i + 1], build(params[i : i + 1], V, seeds=seeds[i : i + 1], steps=steps[i : i + 1]))
         assert alone.item() == ref[i].item()
 
     # Shuffled, interleaved with greedy / filtered / penalised rows (forces the sorted path
     # and the penalty path for the batch, but not for the rows under test).
-    extra_p = [SP(temperature=0), SP(top_k=5), SP(top_p=0.5), SP(min_p=0.2),
-               SP(repetition_penalty=1.3, frequency_penalty=0.4)]
+    extra_p = [
+        SP(temperature=0),
+        SP(top_k=5),
+        SP(top_p=0.5),
+        SP(min_p=0.2),
+        SP(repetition_penalty=1.3, frequency_penalty=0.4),
+    ]
     extra_logits = torch.randn(len(extra_p), V, generator=g)
     order = list(range(n))
     random.Random(0).shuffle(order)
@@ -112,11 +118,19 @@ def test_same_seed_and_step_same_token_regardless_of_batch():
     P, S, St, L, Pr, O = [], [], [], [], [], []
     for kind, i in rows:
         if kind == "t":
-            P.append(params[i]); S.append(seeds[i]); St.append(steps[i]); L.append(logits[i])
-            Pr.append([]); O.append([])
+            P.append(params[i])
+            S.append(seeds[i])
+            St.append(steps[i])
+            L.append(logits[i])
+            Pr.append([])
+            O.append([])
         else:
-            P.append(extra_p[i]); S.append(99); St.append(3); L.append(extra_logits[i])
-            Pr.append([1, 2, 3]); O.append([4, 4, 5])
+            P.append(extra_p[i])
+            S.append(99)
+            St.append(3)
+            L.append(extra_logits[i])
+            Pr.append([1, 2, 3])
+            O.append([4, 4, 5])
     out = sampler(torch.stack(L), SamplingBatch.build(P, S, St, Pr, O, [0], V))
     for pos, (kind, i) in enumerate(rows):
         if kind == "t":
@@ -130,8 +144,7 @@ def test_same_seed_same_tokens_with_and_without_sorted_path():
     s = Sampler()
     for step in range(50):
         a = s(logits, build([SP()], logits, seeds=[42], steps=[step]))
-        b = s(torch.cat([logits, logits]),
-              build([SP(), SP(top_p=0.3)], 300, seeds=[42, 7], steps=[step, step]))
+        b = s(torch.cat([logits, logits]), build([SP(), SP(top_p=0.3)], 300, seeds=[42, 7], steps=[step, step]))
         assert a.item() == b[0].item()
 
 
@@ -154,8 +167,7 @@ def test_large_and_negative_seeds_are_accepted():
 
 
 def test_hash_uniforms_are_uniform_and_open_interval():
-    e = exponentials(torch.tensor([[row_key(s, t)] for s in range(4) for t in range(4)]),
-                     token_hash(4096).unsqueeze(0))
+    e = exponentials(torch.tensor([[row_key(s, t)] for s in range(4) for t in range(4)]), token_hash(4096).unsqueeze(0))
     u = torch.exp(-e.double()).flatten()
     assert (u > 0).all() and (u < 1).all()
     # Kolmogorov-Smirnov distance against U(0,1).
@@ -181,12 +193,16 @@ def test_empirical_distribution_with_top_k_top_p_min_p():
     p = torch.softmax(logits, -1)
     n = 30000
     # top_k=3 -> {1, 3, 4} renormalised.
-    exp_k = torch.zeros(7); exp_k[[1, 3, 4]] = p[[1, 3, 4]]; exp_k /= exp_k.sum()
+    exp_k = torch.zeros(7)
+    exp_k[[1, 3, 4]] = p[[1, 3, 4]]
+    exp_k /= exp_k.sum()
     assert tv(empirical(logits, SP(top_k=3), n), exp_k) < 0.02
     # top_p=0.6 -> 0.30+0.25 = 0.55 < 0.6, + 0.15 -> {1, 3, 4}.
     assert tv(empirical(logits, SP(top_p=0.6), n), exp_k) < 0.02
     # min_p=0.4 -> threshold 0.12 keeps {1, 3, 4, 5}.
-    exp_m = torch.zeros(7); exp_m[[1, 3, 4, 5]] = p[[1, 3, 4, 5]]; exp_m /= exp_m.sum()
+    exp_m = torch.zeros(7)
+    exp_m[[1, 3, 4, 5]] = p[[1, 3, 4, 5]]
+    exp_m /= exp_m.sum()
     assert tv(empirical(logits, SP(min_p=0.4), n), exp_m) < 0.02
 
 
@@ -206,12 +222,15 @@ def test_top_k_restricts_support():
     assert len(set(out[1::2].tolist())) > 5
 
 
-@pytest.mark.parametrize("top_p,expected", [
-    (0.35, {2}),              # 0.4 alone reaches it
-    (0.65, {2, 0}),           # 0.4 + 0.3 = 0.7
-    (0.75, {2, 0, 3}),        # + 0.2 = 0.9
-    (0.95, {2, 0, 3, 1}),
-])
+@pytest.mark.parametrize(
+    "top_p,expected",
+    [
+        (0.35, {2}),  # 0.4 alone reaches it
+        (0.65, {2, 0}),  # 0.4 + 0.3 = 0.7
+        (0.75, {2, 0, 3}),  # + 0.2 = 0.9
+        (0.95, {2, 0, 3, 1}),
+    ],
+)
 def test_top_p_support_is_nucleus(top_p, expected):
     probs = torch.tensor([0.3, 0.1, 0.4, 0.2])
     f = empirical(torch.log(probs), SP(top_p=top_p), 4000)
@@ -257,11 +276,14 @@ def test_penalties_match_reference(seed, every_row):
     for b in range(B):
         kinds = ["rep", "freq", "pres", "all"] if every_row else ["none", "rep", "freq", "pres", "all"]
         kind = "none" if (b == 0 and not every_row) else rng.choice(kinds)
-        params.append(SP(
-            temperature=0,
-            repetition_penalty=rng.uniform(0.5, 2.0) if kind in ("rep", "all") else 1.0,
-            frequency_penalty=rng.uniform(-2, 2) if kind in ("freq", "all") else 0.0,
-            presence_penalty=rng.uniform(-2, 2) if kind in ("pres", "all") else 0.0))
+        params.append(
+            SP(
+                temperature=0,
+                repetition_penalty=rng.uniform(0.5, 2.0) if kind in ("rep", "all") else 1.0,
+                frequency_penalty=rng.uniform(-2, 2) if kind in ("freq", "all") else 0.0,
+                presence_penalty=rng.uniform(-2, 2) if kind in ("pres", "all") else 0.0,
+            )
+        )
     prompts = [[rng.randrange(V) for _ in range(rng.randrange(0, 12))] for _ in range(B)]
     outputs = [[rng.randrange(V) for _ in range(rng.randrange(0, 12))] for _ in range(B)]
     sampler = Sampler()
@@ -283,8 +305,12 @@ def test_no_penalty_batch_builds_no_penalty_tensors():
     r = build([SP(repetition_penalty=1.2), SP()], 10, prompts=[[1], [2]], outputs=[[3], [4]])
     assert r.out_penalty is None and r.penalty_rows.tolist() == [0]
     assert sorted(r.rep_index.tolist()) == [1, 3]
-    f = build([SP(presence_penalty=0.5), SP(frequency_penalty=1.0, repetition_penalty=2.0)], 10,
-              prompts=[[1], [2]], outputs=[[3, 3], [4, 4, 5]])
+    f = build(
+        [SP(presence_penalty=0.5), SP(frequency_penalty=1.0, repetition_penalty=2.0)],
+        10,
+        prompts=[[1], [2]],
+        outputs=[[3, 3], [4, 4, 5]],
+    )
     assert f.out_penalty.shape == (2, 10)
     assert f.out_penalty[0].nonzero().flatten().tolist() == [3] and f.out_penalty[0, 3] == 0.5
     assert f.out_penalty[1, 4] == 2.0 and f.out_penalty[1, 5] == 1.0
@@ -304,8 +330,8 @@ def test_penalties_are_output_only_for_frequency_and_presence():
 def test_min_new_tokens_blocks_eos_and_stop_ids():
     V = 20
     logits = torch.zeros(1, V)
-    logits[0, 0] = 10.0   # EOS
-    logits[0, 5] = 9.0    # stop token
+    logits[0, 0] = 10.0  # EOS
+    logits[0, 5] = 9.0  # stop token
     logits[0, 7] = 8.0
     p = SP(temperature=0, min_new_tokens=3, stop_token_ids=[5])
     s = Sampler()
@@ -366,35 +392,38 @@ def test_strict_vs_lenient_unknown_keys():
     assert p.temperature == 0.5
 
 
-@pytest.mark.parametrize("kw,field", [
-    ({"max_new_tokens": -1}, "max_new_tokens"),
-    ({"min_new_tokens": -1}, "min_new_tokens"),
-    ({"min_new_tokens": 10, "max_new_tokens": 5}, "min_new_tokens"),
-    ({"temperature": -1.0}, "temperature"),
-    ({"temperature": float("nan")}, "temperature"),
-    ({"temperature": float("inf")}, "temperature"),
-    ({"temperature": "abc"}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"top_p": float("nan")}, "top_p"),
-    ({"top_k": 0}, "top_k"),
-    ({"top_k": -2}, "top_k"),
-    ({"top_k": 2.5}, "top_k"),
-    ({"min_p": -0.1}, "min_p"),
-    ({"min_p": 1.1}, "min_p"),
-    ({"frequency_penalty": 2.5}, "frequency_penalty"),
-    ({"presence_penalty": -2.5}, "presence_penalty"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty"),
-    ({"n": 0}, "n"),
-    ({"max_new_tokens": True}, "max_new_tokens"),
-    ({"n": True}, "n"),
-    ({"ignore_eos": 1}, "ignore_eos"),
-    ({"stop": [1]}, "stop"),
-    ({"stop_regex": "("}, "stop_regex"),
-    ({"stop_token_ids": ["a"]}, "stop_token_ids"),
-    ({"seed": 1.5}, "seed"),
-    ({"regex": 3}, "regex"),
-])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"min_new_tokens": -1}, "min_new_tokens"),
+        ({"min_new_tokens": 10, "max_new_tokens": 5}, "min_new_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": "abc"}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.1}, "min_p"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": -2.5}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"n": 0}, "n"),
+        ({"max_new_tokens": True}, "max_new_tokens"),
+        ({"n": True}, "n"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"stop": [1]}, "stop"),
+        ({"stop_regex": "("}, "stop_regex"),
+        ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+        ({"seed": 1.5}, "seed"),
+        ({"regex": 3}, "regex"),
+    ],
+)
 def test_validate_names_field(kw, field):
     with pytest.raises(ValueError, match=field):
         SP(**kw).validate()
@@ -413,8 +442,17 @@ def test_validate_messages_and_vocab_bound():
 def test_validate_accepts_valid_edges():
     SP(temperature=0).validate()  # int 0 = greedy
     assert SP(temperature=0).greedy and SP(top_k=1).greedy and not SP().greedy
-    SP(top_p=1, min_p=1, top_k=-1, frequency_penalty=-2, presence_penalty=2,
-       repetition_penalty=0.1, max_new_tokens=0, min_new_tokens=0, seed=-5).validate()
+    SP(
+        top_p=1,
+        min_p=1,
+        top_k=-1,
+        frequency_penalty=-2,
+        presence_penalty=2,
+        repetition_penalty=0.1,
+        max_new_tokens=0,
+        min_new_tokens=0,
+        seed=-5,
+    ).validate()
     SP(temperature=1, top_k=50, n=3, stop=["a"], regex="a+").validate()
 
 

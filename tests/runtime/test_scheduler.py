@@ -1,5 +1,6 @@
 """The Scheduler class on its own (no threads, no processes): continuous batching, chunked
 prefill, cache-aware ordering, retraction and KV accounting."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,8 +18,12 @@ def make(path, **kw) -> Scheduler:
 
 
 def req(rid: str, ids: list[int], n: int = 8, **params) -> GenerateInput:
-    return GenerateInput(rid=rid, input_ids=ids,
-                         params=SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True, **params), seed=0)
+    return GenerateInput(
+        rid=rid,
+        input_ids=ids,
+        params=SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True, **params),
+        seed=0,
+    )
 
 
 def run_all(s: Scheduler, max_steps: int = 10_000) -> dict[str, list[int]]:
@@ -53,7 +58,7 @@ def test_chunked_prefill_equals_unchunked(path):
     small.add_request(req("a", ids, 10))
     steps_before = small.num_steps
     assert run_all(small)["a"] == ref
-    assert small.num_steps - steps_before >= 300 // 64 + 10 - 1   # the prompt took several steps
+    assert small.num_steps - steps_before >= 300 // 64 + 10 - 1  # the prompt took several steps
     idle_accounting_ok(small)
 
 
@@ -62,7 +67,7 @@ def test_new_requests_join_while_others_decode(path):
     s.add_request(req("a", list(range(100, 120)), 30))
     for _ in range(3):
         s.step()
-    s.add_request(req("b", list(range(200, 400)), 5))   # 200 tokens: chunked over 4 steps
+    s.add_request(req("b", list(range(200, 400)), 5))  # 200 tokens: chunked over 4 steps
     steps = []
     for _ in range(4):
         steps.append({o.rid for o in s.step()})
@@ -81,7 +86,7 @@ def test_lpm_orders_by_cached_prefix(path):
     s.add_request(req("cold", list(range(3000, 3041)), 1))
     s.add_request(req("hot", shared + [7], 1))
     first = {o.rid for o in s.step()}
-    assert first == {"hot"}            # the request whose prefix is cached goes first
+    assert first == {"hot"}  # the request whose prefix is cached goes first
     run_all(s)
     fcfs = make(path, schedule_policy="fcfs", chunked_prefill_size=64, max_running_requests=1)
     fcfs.add_request(req("warm", shared + [5], 1))
@@ -110,7 +115,7 @@ def test_retraction_keeps_outputs_and_accounting(path):
 def test_abort_releases_everything(path):
     s = make(path)
     s.add_request(req("a", list(range(50, 90)), 50))
-    s.add_request(req("b", list(range(50, 300)), 50))   # still chunking when aborted
+    s.add_request(req("b", list(range(50, 300)), 50))  # still chunking when aborted
     s.add_request(req("c", list(range(600, 640)), 50))
     s.step()
     outs = [s.abort_request(r) for r in ("a", "b", "c")]
@@ -173,6 +178,7 @@ def test_wide_decode_steps_index_the_table_once(path):
 
 def test_request_fill_len_and_tail_without_the_whole_list():
     from plait.runtime.request import Req
+
     req = Req(GenerateInput(rid="r", input_ids=[1, 2, 3], params=SamplingParams(), seed=0), arrival=0)
     assert req.fill_len == 3 and [req.fill_from(i) for i in range(4)] == [[1, 2, 3], [2, 3], [3], []]
     req.output_ids += [4, 5]
@@ -217,6 +223,7 @@ def test_table_entries_are_a_view_of_the_row_range():
     import torch
 
     from plait.runtime.mem_cache.memory_pool import ReqToTokenTable
+
     t = ReqToTokenTable(3, 10)
     t.entries(1, 4, 3).copy_(torch.tensor([7, 8, 9]))
     assert t.table[1].tolist() == [0, 0, 0, 0, 7, 8, 9, 0, 0, 0] and int(t.table.sum()) == 24

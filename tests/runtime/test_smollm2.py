@@ -1,4 +1,5 @@
 """Integration: the real default model (SmolLM2-135M-Instruct) through plait.Engine."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,10 @@ pytestmark = pytest.mark.integration
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You are a helpful assistant."},
-     {"role": "user", "content": "Write a haiku about the sea."}],
+    [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Write a haiku about the sea."},
+    ],
     [{"role": "user", "content": "List three uses of a paperclip."}],
 ]
 
@@ -32,7 +35,7 @@ def test_greedy_equals_hf_generate(engine, smollm2_path):
     for prompt, out in zip(prompts, ours):
         ids = tok(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
-            ref = hf.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, ids.shape[1]:]
+            ref = hf.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, ids.shape[1] :]
         assert out["output_ids"] == ref.tolist()
         assert out["meta_info"]["prompt_tokens"] == ids.shape[1]
     assert_no_leak(engine)
@@ -50,8 +53,14 @@ def test_answers_and_caches(engine):
 
 def test_concurrent_mixed_lengths_equal_alone(engine):
     tok = engine.tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": "Tell me about " + "the number %d " % i * (1 + i % 5)}],
-                                       tokenize=False, add_generation_prompt=True) for i in range(16)]
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": "Tell me about " + "the number %d " % i * (1 + i % 5)}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        for i in range(16)
+    ]
     params = [{"temperature": 0, "max_new_tokens": 6 + i % 7, "ignore_eos": True} for i in range(16)]
     engine.flush_cache()
     together = engine.generate(prompts, params)

@@ -2,6 +2,7 @@
 rule, and the scheduler producing exactly what decoding without speculation produces — greedy and
 seeded sampling, with stops, grammars, logprobs and retraction — with no KV slot leaked in the
 target's pool or the draft model's."""
+
 from __future__ import annotations
 
 import json
@@ -28,9 +29,9 @@ def test_ngram_index_proposes_what_followed_the_latest_longest_match():
     ids = [5, 6, 7, 8, 1, 5, 6, 7, 9, 2, 5, 6, 7]
     # the suffix (5, 6, 7) occurred at 0 and 5: the latest one (followed by 9, 2, ...) wins
     assert idx.propose(ids, 3) == [9, 2, 5]
-    ids += [9, 2, 5, 6, 3]        # now only the unigram (3,) is new: no earlier occurrence
+    ids += [9, 2, 5, 6, 3]  # now only the unigram (3,) is new: no earlier occurrence
     assert idx.propose(ids, 4) == []
-    ids += [4, 7]                 # (4, 7) unseen; (7,) last seen followed by 9 (position 8)
+    ids += [4, 7]  # (4, 7) unseen; (7,) last seen followed by 9 (position 8)
     assert idx.propose(ids, 2) == [9, 2]
     assert idx.propose(ids, 0) == []
 
@@ -40,7 +41,7 @@ def test_ngram_index_prefers_longer_matches_and_restarts_on_shrink():
     ids = [1, 2, 3, 9, 2, 4, 1, 2]
     # (1, 2) occurred at 0 (followed by 3); the unigram (2,) more recently (followed by 4)
     assert idx.propose(ids, 1) == [3]
-    assert idx.propose([1, 2, 7, 2], 2) == [7, 2]   # a shorter sequence: re-indexed, not stale
+    assert idx.propose([1, 2, 7, 2], 2) == [7, 2]  # a shorter sequence: re-indexed, not stale
 
 
 def test_ngram_index_is_incremental():
@@ -48,7 +49,7 @@ def test_ngram_index_is_incremental():
     ids = list(range(50)) * 3
     for n in range(10, len(ids)):
         idx.propose(ids[:n], 4)
-    assert idx._done == len(ids) - 2     # each position indexed once, never re-scanned
+    assert idx._done == len(ids) - 2  # each position indexed once, never re-scanned
 
 
 def test_accepted_prefix():
@@ -97,8 +98,12 @@ def tiny_runner(tiny_model_dirs):
 
 
 def make(runner, spec: bool, **kw) -> Scheduler:
-    args = {"model": runner.model_path, "dtype": "float32", "max_total_tokens": 4096,
-                "speculative_algorithm": "ngram" if spec else None}
+    args = {
+        "model": runner.model_path,
+        "dtype": "float32",
+        "max_total_tokens": 4096,
+        "speculative_algorithm": "ngram" if spec else None,
+    }
     args.update(kw)
     return Scheduler(ServerArgs(**args), runner)
 
@@ -113,8 +118,7 @@ class OracleDrafts:
 
     def propose(self, ids: list[int], k: int) -> list[int]:
         pos = len(ids) - self.prompt_len
-        return [t if (pos + i) % self.wrong else (t + 1) % 1000
-                for i, t in enumerate(self.ref[pos:pos + k])]
+        return [t if (pos + i) % self.wrong else (t + 1) % 1000 for i, t in enumerate(self.ref[pos : pos + k])]
 
 
 def run_all(s: Scheduler, inputs: list[GenerateInput], oracle: dict | None = None) -> dict[str, tuple]:
@@ -156,9 +160,15 @@ def assert_no_draft_leak(draft: DraftModel) -> None:
 def inputs(n: int, max_new: int = 48, seed0: int = 0, **params) -> list[GenerateInput]:
     params = {"temperature": 0, "ignore_eos": True, **params}
     # repetitive prompts: the random model's continuations tend to cycle, so drafts are found
-    return [GenerateInput(rid=f"r{i}", input_ids=[(7 * i + j % 5) * 13 + 100 for j in range(24 + i)],
-                          params=SamplingParams(max_new_tokens=max_new, **params), seed=seed0 + i)
-            for i in range(n)]
+    return [
+        GenerateInput(
+            rid=f"r{i}",
+            input_ids=[(7 * i + j % 5) * 13 + 100 for j in range(24 + i)],
+            params=SamplingParams(max_new_tokens=max_new, **params),
+            seed=seed0 + i,
+        )
+        for i in range(n)
+    ]
 
 
 def both(runner, reqs_fn, oracle: bool = True, **kw):
@@ -199,11 +209,14 @@ def test_no_speculation_above_max_batch(tiny_runner):
     assert s.num_spec_proposed_tokens == 0
 
 
-@pytest.mark.parametrize("params", [
-    {"temperature": 1.0},
-    {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "min_p": 0.01},
-    {"temperature": 1.0, "frequency_penalty": 0.5, "presence_penalty": 0.3, "repetition_penalty": 1.2},
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 1.0},
+        {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "min_p": 0.01},
+        {"temperature": 1.0, "frequency_penalty": 0.5, "presence_penalty": 0.3, "repetition_penalty": 1.2},
+    ],
+)
 def test_seeded_sampling_identical(tiny_runner, params):
     """The draw at each position is the one decoding without speculation makes, so a seeded
     request yields the same tokens (and so the same distribution) with speculation on."""
@@ -215,10 +228,16 @@ def test_seeded_sampling_identical(tiny_runner, params):
 def test_sampled_grammar_identical(tiny_runner):
     """Sampled constrained requests: jump-forward appends forced text, drafts follow it and are
     checked against the matcher (rolled back when rejected); the output stays the same and valid."""
-    schema = json.dumps({"type": "object", "properties": {"a": {"type": "string", "maxLength": 6},
-                                                          "b": {"enum": ["xx", "yyy"]}}, "required": ["a", "b"]})
-    plain, spec, s = both(tiny_runner, lambda: inputs(2, 40, seed0=3, temperature=1.0, json_schema=schema,
-                                                      ignore_eos=False))
+    schema = json.dumps(
+        {
+            "type": "object",
+            "properties": {"a": {"type": "string", "maxLength": 6}, "b": {"enum": ["xx", "yyy"]}},
+            "required": ["a", "b"],
+        }
+    )
+    plain, spec, s = both(
+        tiny_runner, lambda: inputs(2, 40, seed0=3, temperature=1.0, json_schema=schema, ignore_eos=False)
+    )
     assert spec == plain
     assert s.num_spec_proposed_tokens > 0 and s.num_jump_forward_tokens > 0
     for ids, reason, _ in spec.values():
@@ -230,14 +249,16 @@ def test_stops_and_lengths_exact(tiny_runner):
     ref = run_all(make(tiny_runner, False), inputs(3, 40))
     tok = tiny_runner.tokenizer
     for i, (ids, _, _) in enumerate(ref.values()):
-        stop_id = ids[17 + i]              # a token that occurs mid-output (first occurrence ends it)
+        stop_id = ids[17 + i]  # a token that occurs mid-output (first occurrence ends it)
         text = tok.decode(ids[:30])
         stop_str = text[-6:-2]
         for extra in ({"stop_token_ids": [stop_id]}, {"stop": [stop_str]}, {"max_new_tokens": 13 + i}):
+
             def reqs(i=i, extra=extra):
                 r = inputs(3, 40)[i]
                 r.params = SamplingParams(**{**r.params.__dict__, **extra})
                 return [r]
+
             plain = run_all(make(tiny_runner, False), reqs())
             # drafts from the unstopped output run past the stop
             spec = run_all(make(tiny_runner, True), reqs(), {f"r{i}": ref[f"r{i}"]})
@@ -257,7 +278,7 @@ def test_eos_exact(tiny_runner):
         s.eos_ids = {eos}
         outs.append(run_all(s, inputs(1, 40, ignore_eos=False), {"r0": (ref,)} if spec else None)["r0"])
     assert outs[1] == outs[0]
-    assert outs[0][0] == ref[:ref.index(eos) + 1]
+    assert outs[0][0] == ref[: ref.index(eos) + 1]
     assert outs[0][1] == {"type": "stop", "matched": eos}
 
 
@@ -267,6 +288,7 @@ def test_logprobs_match(tiny_runner):
         for r in rs:
             r.return_logprob, r.top_logprobs_num = True, 2
         return rs
+
     plain, spec, s = both(tiny_runner, reqs)
     assert s.num_spec_accepted_tokens > 0
     for rid, (ids, reason, lps) in plain.items():
@@ -287,11 +309,15 @@ def test_retraction_with_drafts(tiny_runner, tiny_model_dirs):
 
 # --- the real model ----------------------------------------------------------------------------
 
-DOC = ('{"name": "Alice Johnson", "email": "alice.johnson@example.com", "city": "Paris", '
-       '"orders": [{"id": 1042, "item": "blue notebook", "qty": 3}, {"id": 1043, "item": "red pen", "qty": 10}]}')
-SCHEMA = {"type": "object",
-          "properties": {"name": {"type": "string"}, "email": {"type": "string"}, "city": {"type": "string"}},
-          "required": ["name", "email", "city"]}
+DOC = (
+    '{"name": "Alice Johnson", "email": "alice.johnson@example.com", "city": "Paris", '
+    '"orders": [{"id": 1042, "item": "blue notebook", "qty": 3}, {"id": 1043, "item": "red pen", "qty": 10}]}'
+)
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "email": {"type": "string"}, "city": {"type": "string"}},
+    "required": ["name", "email", "city"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -301,34 +327,48 @@ def smol_runner(smollm2_path):
 
 def chat(runner, text: str) -> list[int]:
     tok = runner.tokenizer
-    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                              add_generation_prompt=True))
+    return tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    )
 
 
 def smol_inputs(runner, n: int, max_new: int = 80, **params) -> list[GenerateInput]:
     """Copying prompts; with `sampled`, odd requests sample (seeded, temperature 0.7)."""
-    asks = ["Repeat the following JSON exactly:\n", "Copy this record without changes:\n",
-            "Here is a JSON document. Output it again, verbatim:\n"]
+    asks = [
+        "Repeat the following JSON exactly:\n",
+        "Copy this record without changes:\n",
+        "Here is a JSON document. Output it again, verbatim:\n",
+    ]
     sampled = params.pop("sampled", False)
-    return [GenerateInput(rid=f"s{i}", input_ids=chat(runner, asks[i % 3] + DOC.replace("Alice", ["Alice", "Bob", "Carol"][i % 3])),
-                          params=SamplingParams(max_new_tokens=max_new, temperature=0.7 if sampled and i % 2 else 0,
-                                                **params), seed=i)
-            for i in range(n)]
+    return [
+        GenerateInput(
+            rid=f"s{i}",
+            input_ids=chat(runner, asks[i % 3] + DOC.replace("Alice", ["Alice", "Bob", "Carol"][i % 3])),
+            params=SamplingParams(max_new_tokens=max_new, temperature=0.7 if sampled and i % 2 else 0, **params),
+            seed=i,
+        )
+        for i in range(n)
+    ]
 
 
 @pytest.mark.parametrize(("n", "max_new"), [(1, 80), (3, 40)])
 def test_identical_real_model(smol_runner, n, max_new):
     """Greedy (and, with 3 requests, one seeded sampled) copying requests: same output, fewer steps."""
-    plain, spec, s = both(smol_runner, lambda: smol_inputs(smol_runner, n, max_new, sampled=n > 1), oracle=False,
-                          max_total_tokens=8192)
+    plain, spec, s = both(
+        smol_runner, lambda: smol_inputs(smol_runner, n, max_new, sampled=n > 1), oracle=False, max_total_tokens=8192
+    )
     assert spec == plain
-    assert s.num_spec_accepted_tokens > 0.5 * s.num_spec_proposed_tokens > 0   # it copies
+    assert s.num_spec_accepted_tokens > 0.5 * s.num_spec_proposed_tokens > 0  # it copies
     assert s.num_steps < 0.6 * sum(len(v[0]) for v in spec.values()) / n + 10
 
 
 def test_json_schema_identical_and_valid(smol_runner):
-    plain, spec, s = both(smol_runner, lambda: smol_inputs(smol_runner, 2, 96, json_schema=json.dumps(SCHEMA)),
-                          oracle=False, max_total_tokens=8192)
+    plain, spec, s = both(
+        smol_runner,
+        lambda: smol_inputs(smol_runner, 2, 96, json_schema=json.dumps(SCHEMA)),
+        oracle=False,
+        max_total_tokens=8192,
+    )
     assert spec == plain
     assert s.num_spec_accepted_tokens > 0
     for ids, reason, _ in spec.values():
@@ -342,10 +382,13 @@ def test_engine_reports_acceptance(smollm2_path):
 
     import plait
     from plait.runtime.server.metrics import ServerMetrics
-    with plait.Engine(model="smollm2", dtype="float32", max_total_tokens=4096,
-                      speculative_algorithm="ngram") as eng:
-        prompt = eng.tokenizer.apply_chat_template([{"role": "user", "content": "Repeat the following JSON exactly:\n" + DOC}],
-                                                   tokenize=False, add_generation_prompt=True)
+
+    with plait.Engine(model="smollm2", dtype="float32", max_total_tokens=4096, speculative_algorithm="ngram") as eng:
+        prompt = eng.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Repeat the following JSON exactly:\n" + DOC}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
         out = eng.generate(prompt, {"temperature": 0, "max_new_tokens": 40})
         info = eng.get_server_info()
         assert_no_leak(eng)
@@ -360,14 +403,18 @@ def test_greedy_grammar_drafts_only_at_small_batches(tiny_runner, monkeypatch):
     """Above the batch threshold greedy constrained requests decode one token per step (no
     forced-text drafts): the same text, no jump-forward tokens."""
     import plait.runtime.scheduler.speculation as sched
-    schema = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
-                         "required": ["name"]})
+
+    schema = json.dumps(
+        {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"]}
+    )
+
     def reqs():
         return inputs(2, 30, json_schema=schema, ignore_eos=False)
+
     small = make(tiny_runner, False)
     ref = run_all(small, reqs())
     assert small.num_jump_forward_tokens > 0
-    monkeypatch.setattr(sched, "JUMP_FORWARD_MAX_BATCH", 0)   # always above it
+    monkeypatch.setattr(sched, "JUMP_FORWARD_MAX_BATCH", 0)  # always above it
     big = make(tiny_runner, False)
     assert run_all(big, reqs()) == ref
     assert big.num_jump_forward_tokens == 0
@@ -377,8 +424,16 @@ def test_greedy_grammar_drafts_only_at_small_batches(tiny_runner, monkeypatch):
 
 
 def draft_args(target: str, draft: str, **kw) -> ServerArgs:
-    return ServerArgs(**{"model": target, "dtype": "float32", "max_total_tokens": 4096,
-                         "speculative_algorithm": "draft", "speculative_draft_model": draft, **kw})
+    return ServerArgs(
+        **{
+            "model": target,
+            "dtype": "float32",
+            "max_total_tokens": 4096,
+            "speculative_algorithm": "draft",
+            "speculative_draft_model": draft,
+            **kw,
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -424,9 +479,11 @@ def draft_calls(monkeypatch):
         def counting_forward(batch):
             calls[-1][1] += 1
             return forward(batch)
+
         monkeypatch.setattr(draft, "propose", counting_propose)
         monkeypatch.setattr(draft.runner, "forward", counting_forward)
         return calls
+
     return watch
 
 
@@ -451,25 +508,33 @@ def test_draft_other_model_identical(tiny_runner, other_draft):
     assert s.num_spec_proposed_tokens > 0 and accept_rate(s) < 0.5
 
 
-@pytest.mark.parametrize("params", [
-    {"temperature": 0.3},
-    {"temperature": 0.3, "top_p": 0.9, "top_k": 20, "min_p": 0.01},
-    {"temperature": 0.3, "frequency_penalty": 0.5, "presence_penalty": 0.3, "repetition_penalty": 1.2},
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0.3},
+        {"temperature": 0.3, "top_p": 0.9, "top_k": 20, "min_p": 0.01},
+        {"temperature": 0.3, "frequency_penalty": 0.5, "presence_penalty": 0.3, "repetition_penalty": 1.2},
+    ],
+)
 def test_draft_seeded_sampling_identical(tiny_runner, self_draft, params):
     """Greedy drafts against seeded sampling: some kept, some not, the same tokens as without.
     (A low temperature: the tiny random model's distributions are so flat that at 1.0 a greedy
     draft is almost never drawn.)"""
-    plain, spec, s = both_draft(tiny_runner, self_draft, lambda: inputs(3, 40, seed0=5, **params),
-                                speculative_num_draft_tokens=4)
+    plain, spec, s = both_draft(
+        tiny_runner, self_draft, lambda: inputs(3, 40, seed0=5, **params), speculative_num_draft_tokens=4
+    )
     assert spec == plain
     assert 0 < s.num_spec_accepted_tokens < s.num_spec_proposed_tokens
 
 
 GRAMMARS = {
-    "json_schema": json.dumps({"type": "object", "properties": {"a": {"type": "string", "maxLength": 12},
-                                                                "b": {"enum": ["xx", "yyy"]}},
-                               "required": ["a", "b"]}),
+    "json_schema": json.dumps(
+        {
+            "type": "object",
+            "properties": {"a": {"type": "string", "maxLength": 12}, "b": {"enum": ["xx", "yyy"]}},
+            "required": ["a", "b"],
+        }
+    ),
     "regex": r"(ab|cd|[a-z ]){4,30}\.",
 }
 
@@ -483,6 +548,7 @@ def test_draft_grammar_identical(tiny_runner, self_draft, kind, temperature):
 
     def reqs():
         return inputs(2, 40, seed0=3, temperature=temperature, ignore_eos=False, **{kind: GRAMMARS[kind]})
+
     plain, spec, s = both_draft(tiny_runner, self_draft, reqs)
     assert spec == plain
     assert s.num_spec_proposed_tokens > 0
@@ -503,7 +569,7 @@ def test_draft_cache_follows_committed_tokens(self_draft):
     # cache must go back to the first difference, not just drop its tail
     committed = ids + [first[0], (first[1] + 1) % 1000, first[2]]
     again = d.propose([("x", committed, 6)])[0]
-    assert len(again) == 2                                  # the length adapts: kept + 1
+    assert len(again) == 2  # the length adapts: kept + 1
     assert d.states["x"].ids == committed + again[:-1]
     assert d.slots_in_use() == len(d.states["x"].ids)
     d.release("x")
@@ -541,8 +607,9 @@ def test_draft_memory_pressure_identical(tiny_runner, tiny_model_dirs):
     is skipped or idle caches evicted, the output is unchanged, nothing leaks."""
     plain = run_all(make(tiny_runner, False), inputs(4, 60))
     small = ModelRunner(ServerArgs(model=tiny_model_dirs["llama"], dtype="float32", max_total_tokens=200))
-    draft = DraftModel(draft_args(tiny_model_dirs["llama"], tiny_model_dirs["llama"], speculative_draft_max_tokens=120),
-                       small)
+    draft = DraftModel(
+        draft_args(tiny_model_dirs["llama"], tiny_model_dirs["llama"], speculative_draft_max_tokens=120), small
+    )
     s = make_draft(small, draft, max_total_tokens=200, speculative_draft_max_tokens=120)
     assert run_all(s, inputs(4, 60)) == plain
     assert s.num_retractions > 0 and s.num_spec_accepted_tokens > 0
@@ -554,6 +621,7 @@ def test_draft_vocab_mismatch(tiny_runner, tiny_model_dirs, tmp_path):
 
     from conftest import _tiny_config
     from transformers import AutoModelForCausalLM
+
     target = tiny_model_dirs["llama"]
     bigger = tmp_path / "bigger-vocab"
     AutoModelForCausalLM.from_config(_tiny_config("llama", 49152 + 64)).save_pretrained(bigger)
@@ -574,13 +642,18 @@ def test_draft_vocab_mismatch(tiny_runner, tiny_model_dirs, tmp_path):
         DraftModel(draft_args(target, target, speculative_draft_quantization="int3"), tiny_runner)
 
 
-@pytest.mark.parametrize(("kw", "message"), [
-    ({"speculative_algorithm": "draft"}, "needs speculative_draft_model"),
-    ({"speculative_draft_model": "smollm2"}, "only used with speculative_algorithm 'draft'"),
-    ({"speculative_algorithm": "draft", "speculative_draft_model": "smollm2", "tp_size": 2}, "tp_size"),
-    ({"speculative_algorithm": "draft", "speculative_draft_model": "smollm2", "speculative_draft_max_tokens": 1},
-     "speculative_draft_max_tokens"),
-])
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"speculative_algorithm": "draft"}, "needs speculative_draft_model"),
+        ({"speculative_draft_model": "smollm2"}, "only used with speculative_algorithm 'draft'"),
+        ({"speculative_algorithm": "draft", "speculative_draft_model": "smollm2", "tp_size": 2}, "tp_size"),
+        (
+            {"speculative_algorithm": "draft", "speculative_draft_model": "smollm2", "speculative_draft_max_tokens": 1},
+            "speculative_draft_max_tokens",
+        ),
+    ],
+)
 def test_draft_args_errors(kw, message):
     with pytest.raises(ValueError, match=message):
         ServerArgs(**kw)
@@ -592,11 +665,17 @@ def test_engine_draft_model(tiny_model_dirs):
 
     import plait
     from plait.runtime.server.metrics import ServerMetrics
+
     path = tiny_model_dirs["llama"]
-    with plait.Engine(model=path, dtype="float32", max_total_tokens=2048, speculative_algorithm="draft",
-                      speculative_draft_model=path, speculative_draft_max_tokens=512) as eng:
-        outs = eng.generate(["one two three", "a b c d"], {"temperature": 0, "max_new_tokens": 24,
-                                                           "ignore_eos": True})
+    with plait.Engine(
+        model=path,
+        dtype="float32",
+        max_total_tokens=2048,
+        speculative_algorithm="draft",
+        speculative_draft_model=path,
+        speculative_draft_max_tokens=512,
+    ) as eng:
+        outs = eng.generate(["one two three", "a b c d"], {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True})
         info = eng.get_server_info()
         assert_no_leak(eng)
     assert all(o["meta_info"]["completion_tokens"] == 24 for o in outs)
@@ -608,15 +687,20 @@ def test_engine_draft_model(tiny_model_dirs):
 def test_engine_checks_the_draft_model_first(tiny_model_dirs, tmp_path):
     """An unknown draft model path is a ValueError from Engine() itself, before any process starts."""
     import plait
+
     with pytest.raises(ValueError, match="no-such-draft"):
-        plait.Engine(model=tiny_model_dirs["llama"], speculative_algorithm="draft",
-                     speculative_draft_model=str(tmp_path / "no-such-draft"))
+        plait.Engine(
+            model=tiny_model_dirs["llama"],
+            speculative_algorithm="draft",
+            speculative_draft_model=str(tmp_path / "no-such-draft"),
+        )
 
 
 def test_draft_length_adapts():
     """Fully kept rounds double the draft length (to the maximum), a partial one sets it to what
     was kept plus one, nothing kept pauses drafting 1, 2, 4 ... rounds until a draft is kept."""
     from plait.runtime.speculative.ngram import MAX_PAUSE, DraftLength
+
     n = DraftLength(8)
     assert n.take() == 8
     n.record(3, 2)
@@ -632,10 +716,10 @@ def test_draft_length_adapts():
         n.pause = 0
     assert n.k == 1 and pauses == [1, 2, 4, 8, 16, 16, 16] and MAX_PAUSE == 16
     n.pause = 2
-    assert [n.take(), n.take(), n.take()] == [0, 0, 1]   # each paused round is used up once
+    assert [n.take(), n.take(), n.take()] == [0, 0, 1]  # each paused round is used up once
     n.record(1, 1)
     assert (n.k, n.misses) == (2, 0)
-    n.record(0, 0)                     # nothing proposed: nothing changes
+    n.record(0, 0)  # nothing proposed: nothing changes
     assert n.k == 2
     fixed = DraftLength(8, shrink=False)  # n-gram drafts: the length stays, only misses pause
     fixed.record(8, 3)
@@ -646,17 +730,19 @@ def test_draft_length_adapts():
 
 def test_draft_state_counts_what_the_committed_ids_kept():
     from plait.runtime.speculative.draft_model import _DraftState
+
     st = _DraftState(row=0, max_k=8)
     base = [1, 2, 3]
 
     def round_(drafts, committed):
         st.drafts, st.base = drafts, len(base)
         st.observe(base + committed)
+
     round_([4, 5, 6], [4, 5, 9])
     assert st.length.k == 3
     round_([4, 5, 6], [4, 5, 6, 7])
     assert st.length.k == 6
     round_([4], [5])
     assert (st.length.k, st.length.pause) == (1, 1)
-    st.observe(base + [4, 5])           # no new proposal since: nothing changes
+    st.observe(base + [4, 5])  # no new proposal since: nothing changes
     assert (st.length.k, st.length.pause) == (1, 1)

@@ -6,6 +6,7 @@ A killed rank makes requests fail with an error instead of hanging, and the othe
 The TP=1 reference is the in-process Scheduler (same model code, one rank); the TP=2 side is a
 real `plait.Engine(tp_size=2)`: rank 0 scheduling and broadcasting each batch, rank 1 following.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,8 @@ TOL = 1e-4
 TOP = 5
 PROMPTS = [
     [1, 450, 7483, 310, 3444, 338],
-    [1, 450, 7483, 310, 3444, 338, 3681, 29889, 450, 7483],     # shares a prefix with the first
-    [(i * 7919) % 40000 + 5 for i in range(70)],                  # longer than one prefill chunk
+    [1, 450, 7483, 310, 3444, 338, 3681, 29889, 450, 7483],  # shares a prefix with the first
+    [(i * 7919) % 40000 + 5 for i in range(70)],  # longer than one prefill chunk
 ]
 
 
@@ -42,8 +43,17 @@ def _reference(path: str, prompts: list[list[int]], n: int) -> dict[str, dict]:
     """TP=1, in this process: per request the output ids and every logprob the engine reports."""
     s = Scheduler(ServerArgs(model=path, dtype="float32", max_total_tokens=4096, chunked_prefill_size=32))
     for i, ids in enumerate(prompts):
-        s.add_request(GenerateInput(rid=str(i), input_ids=list(ids), params=_params(n), seed=0, return_logprob=True,
-                                    logprob_start_len=0, top_logprobs_num=TOP))
+        s.add_request(
+            GenerateInput(
+                rid=str(i),
+                input_ids=list(ids),
+                params=_params(n),
+                seed=0,
+                return_logprob=True,
+                logprob_start_len=0,
+                top_logprobs_num=TOP,
+            )
+        )
     out: dict[str, dict] = {str(i): {"ids": [], "input": [], "output": [], "top": []} for i in range(len(prompts))}
     while s.has_work():
         for o in s.step():
@@ -56,17 +66,20 @@ def _reference(path: str, prompts: list[list[int]], n: int) -> dict[str, dict]:
 
 
 def _run_tp(path: str, prompts: list[list[int]], n: int) -> tuple[list[dict], list[int]]:
-    with plait.Engine(model=path, dtype="float32", max_total_tokens=4096, chunked_prefill_size=32,
-                      tp_size=2) as eng:
+    with plait.Engine(model=path, dtype="float32", max_total_tokens=4096, chunked_prefill_size=32, tp_size=2) as eng:
         info = eng.get_server_info()
         assert info["tp_size"] == 2
         assert [(r["rank"], r["alive"]) for r in info["tp_ranks"]] == [(0, True), (1, True)]
         assert info["tp_ranks"][1]["pid"] == eng.tp_worker_pids[0]
         pids = eng.tp_worker_pids
         assert len(pids) == 1
-        results = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": n, "temperature": 0,
-                                                                   "ignore_eos": True},
-                               return_logprob=True, logprob_start_len=0, top_logprobs_num=TOP)
+        results = eng.generate(
+            input_ids=prompts,
+            sampling_params={"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+            return_logprob=True,
+            logprob_start_len=0,
+            top_logprobs_num=TOP,
+        )
         assert_no_leak(eng)
     return results, [eng.scheduler_pid, *pids]
 
@@ -74,16 +87,16 @@ def _run_tp(path: str, prompts: list[list[int]], n: int) -> tuple[list[dict], li
 def _assert_close(ref: dict[str, dict], results: list[dict]) -> None:
     for i, res in enumerate(results):
         want, meta = ref[str(i)], res["meta_info"]
-        assert res["output_ids"] == want["ids"]                        # same greedy tokens
+        assert res["output_ids"] == want["ids"]  # same greedy tokens
         got_in = meta["input_token_logprobs"]
         assert [t for _, t, _ in got_in] == [t for _, t in want["input"]]
-        for (lp, _, _), (ref_lp, _) in zip(got_in, want["input"], strict=True):      # prefill: every position
+        for (lp, _, _), (ref_lp, _) in zip(got_in, want["input"], strict=True):  # prefill: every position
             assert (lp is None) == (ref_lp is None)
             if lp is not None:
                 assert abs(lp - ref_lp) <= TOL
         for (lp, tok, _), (ref_lp, ref_tok) in zip(meta["output_token_logprobs"], want["output"], strict=True):
             assert tok == ref_tok and abs(lp - ref_lp) <= TOL
-        for got_top, ref_top in zip(meta["output_top_logprobs"], want["top"], strict=True):   # decode: top-k per step
+        for got_top, ref_top in zip(meta["output_top_logprobs"], want["top"], strict=True):  # decode: top-k per step
             assert [t for _, t, _ in got_top] == [t for _, t in ref_top]
             assert max(abs(a[0] - b[0]) for a, b in zip(got_top, ref_top, strict=True)) <= TOL
         assert len(meta["output_top_logprobs"]) == len(want["top"]) == len(want["ids"])
@@ -122,9 +135,9 @@ def test_head_split_covers_every_head_once_with_its_kv_head(monkeypatch, heads, 
 def test_unsplittable_heads_are_rejected(monkeypatch):
     monkeypatch.setattr(parallel, "_tp", parallel._TPState(rank=0, size=4))
     with pytest.raises(ValueError, match="tp_size 4"):
-        parallel.head_split(2, 1)                 # 2 query heads cannot feed 4 ranks
+        parallel.head_split(2, 1)  # 2 query heads cannot feed 4 ranks
     with pytest.raises(ValueError, match="tp_size 4"):
-        parallel.head_split(6, 3)                 # 3 KV heads: 4 ranks neither divide nor multiply them
+        parallel.head_split(6, 3)  # 3 KV heads: 4 ranks neither divide nor multiply them
 
 
 def test_server_args_validate_multi_node():
@@ -141,22 +154,26 @@ def test_server_args_validate_multi_node():
 
 
 # --- TP=2 vs TP=1 -------------------------------------------------------------------------------
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])   # tied embeddings; untied with q/k/v biases
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # tied embeddings; untied with q/k/v biases
 def test_tp2_matches_tp1_tiny(arch, tiny_model_dirs):
     path = tiny_model_dirs[arch]
     ref = _reference(path, PROMPTS, 12)
     results, pids = _run_tp(path, PROMPTS, 12)
     _assert_close(ref, results)
-    assert _wait_gone(pids, 10) == []            # a clean shutdown stops every rank
+    assert _wait_gone(pids, 10) == []  # a clean shutdown stops every rank
 
 
 @pytest.mark.integration
 def test_tp2_matches_tp1_smollm2(smollm2_path):
     """SmolLM2-135M: 9 query heads over 3 KV heads split unevenly (2 groups on rank 0, 1 on rank 1)."""
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(smollm2_path)
-    prompts = [tok("The capital of France is").input_ids, tok("def fibonacci(n):").input_ids,
-               tok("The capital of France is Paris, and the capital of Italy is").input_ids]
+    prompts = [
+        tok("The capital of France is").input_ids,
+        tok("def fibonacci(n):").input_ids,
+        tok("The capital of France is Paris, and the capital of Italy is").input_ids,
+    ]
     ref = _reference(smollm2_path, prompts, 16)
     results, _ = _run_tp(smollm2_path, prompts, 16)
     _assert_close(ref, results)
@@ -167,18 +184,49 @@ def test_two_nodes_on_loopback(tiny_model_dirs):
     whose rank 0 hosts the store at --dist-init-addr; together they match TP=1."""
     path = tiny_model_dirs["qwen3"]
     addr = f"127.0.0.1:{free_port()}"
-    node1 = subprocess.Popen([sys.executable, "-m", "plait.cli", "serve", "--model", path, "--dtype", "float32",
-                              "--tp-size", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr,
-                              "--log-level", "warning"])
+    node1 = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "plait.cli",
+            "serve",
+            "--model",
+            path,
+            "--dtype",
+            "float32",
+            "--tp-size",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--dist-init-addr",
+            addr,
+            "--log-level",
+            "warning",
+        ]
+    )
     try:
-        with plait.Engine(model=path, dtype="float32", max_total_tokens=4096, chunked_prefill_size=32, tp_size=2,
-                          nnodes=2, node_rank=0, dist_init_addr=addr) as eng:
-            assert eng.tp_worker_pids == []       # rank 1 runs on the other "node"
-            results = eng.generate(input_ids=PROMPTS[:2], sampling_params={"max_new_tokens": 8, "temperature": 0,
-                                                                           "ignore_eos": True},
-                                   return_logprob=True, logprob_start_len=0, top_logprobs_num=TOP)
+        with plait.Engine(
+            model=path,
+            dtype="float32",
+            max_total_tokens=4096,
+            chunked_prefill_size=32,
+            tp_size=2,
+            nnodes=2,
+            node_rank=0,
+            dist_init_addr=addr,
+        ) as eng:
+            assert eng.tp_worker_pids == []  # rank 1 runs on the other "node"
+            results = eng.generate(
+                input_ids=PROMPTS[:2],
+                sampling_params={"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+                return_logprob=True,
+                logprob_start_len=0,
+                top_logprobs_num=TOP,
+            )
         _assert_close(_reference(path, PROMPTS[:2], 8), results)
-        assert node1.wait(timeout=30) == 0        # rank 0's stop reached the other node
+        assert node1.wait(timeout=30) == 0  # rank 0's stop reached the other node
     finally:
         if node1.poll() is None:
             node1.kill()
@@ -206,6 +254,7 @@ def _rank_main(args: ServerArgs, rank: int, results) -> None:
     the logits of every step; rank 1 follows."""
     from plait.runtime.distributed.parallel import exit_rank
     from plait.runtime.model_executor.model_runner import ModelRunner
+
     try:
         runner = ModelRunner(args, rank)
         if rank == 0:
@@ -218,18 +267,18 @@ def _rank_main(args: ServerArgs, rank: int, results) -> None:
         results.put(f"rank {rank}: {type(e).__name__}: {e}")
         raise
     results.close()
-    results.join_thread()     # the logits reach the parent before the process ends
-    exit_rank(0)              # as the engine's ranks end
+    results.join_thread()  # the logits reach the parent before the process ends
+    exit_rank(0)  # as the engine's ranks end
 
 
-@pytest.mark.parametrize("arch", ["llama3-rope", "qwen3"])   # untied + llama3 RoPE; q/k norm, head_dim 32
+@pytest.mark.parametrize("arch", ["llama3-rope", "qwen3"])  # untied + llama3 RoPE; q/k norm, head_dim 32
 def test_tp2_step_logits_match_tp1(arch, tiny_model_dirs):
     """The raw float32 logits of every step (chunked prefills and decodes) agree within 1e-4."""
     import multiprocessing as mp
 
     import numpy as np
-    common = {"model": tiny_model_dirs[arch], "dtype": "float32", "max_total_tokens": 4096,
-              "chunked_prefill_size": 32}
+
+    common = {"model": tiny_model_dirs[arch], "dtype": "float32", "max_total_tokens": 4096, "chunked_prefill_size": 32}
     ref = _step_logits(*_recording_scheduler(ServerArgs(**common)), 10)
     args = ServerArgs(**common, tp_size=2, dist_init_addr=f"127.0.0.1:{free_port()}", dist_timeout=60)
     ctx = mp.get_context("spawn")
@@ -261,9 +310,12 @@ def test_killed_rank_fails_requests_instead_of_hanging(tiny_model_dirs, victim):
     eng = plait.Engine(model=tiny_model_dirs["llama"], dtype="float32", max_total_tokens=2048, tp_size=2)
     try:
         ranks = {"scheduler": eng.scheduler_pid, "tp rank 1": eng.tp_worker_pids[0]}
-        stream = eng.generate(input_ids=PROMPTS[0], stream=True,
-                              sampling_params={"max_new_tokens": 5000, "temperature": 0, "ignore_eos": True})
-        next(stream)                               # decoding has started
+        stream = eng.generate(
+            input_ids=PROMPTS[0],
+            stream=True,
+            sampling_params={"max_new_tokens": 5000, "temperature": 0, "ignore_eos": True},
+        )
+        next(stream)  # decoding has started
         os.kill(ranks[victim], signal.SIGKILL)
         last: list[dict] = []
         t = threading.Thread(target=lambda: last.extend(stream), daemon=True)
@@ -277,14 +329,18 @@ def test_killed_rank_fails_requests_instead_of_hanging(tiny_model_dirs, victim):
         with pytest.raises(RuntimeError, match="cannot serve"):
             eng.generate(input_ids=PROMPTS[0], sampling_params={"max_new_tokens": 2})
         survivor = [pid for name, pid in ranks.items() if name != victim]
-        assert _wait_gone(survivor, 15) == []     # it noticed its peer is gone and exited
+        assert _wait_gone(survivor, 15) == []  # it noticed its peer is gone and exited
     finally:
         eng.shutdown()
 
 
 def test_metrics_report_each_rank():
     from plait.runtime.server.metrics import ServerMetrics
-    text = ServerMetrics().render({"tp_ranks": [{"rank": 0, "pid": 1, "alive": True},
-                                                {"rank": 1, "pid": 2, "alive": False}]}, 0).decode()
+
+    text = (
+        ServerMetrics()
+        .render({"tp_ranks": [{"rank": 0, "pid": 1, "alive": True}, {"rank": 1, "pid": 2, "alive": False}]}, 0)
+        .decode()
+    )
     assert 'plait_tp_rank_alive{rank="0"} 1.0' in text
     assert 'plait_tp_rank_alive{rank="1"} 0.0' in text

@@ -1,5 +1,6 @@
 """weight_arena: a model's weights moved into one huge-page buffer are all there, stay tied where
 they were tied, and compute bit for bit what they computed before."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,8 +18,8 @@ def _inside(arena: torch.Tensor, t: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("quantization", [None, "int4"])
 def test_consolidated_model_computes_the_same(tiny_model_dirs, monkeypatch, quantization):
-    path = tiny_model_dirs["llama"]   # a tied LM head
-    monkeypatch.setattr(weight_arena, "MIN_BYTES", 0)   # every tensor, not only a real model's large ones
+    path = tiny_model_dirs["llama"]  # a tied LM head
+    monkeypatch.setattr(weight_arena, "MIN_BYTES", 0)  # every tensor, not only a real model's large ones
     moved = Harness(path, prepack=True, quantization=quantization)
     arena = moved.runner.weight_arena
     if arena is None:
@@ -27,14 +28,16 @@ def test_consolidated_model_computes_the_same(tiny_model_dirs, monkeypatch, quan
     model = moved.runner.model
     for name, p in model.named_parameters():
         assert _inside(arena, p), name
-    plan = model._decode_plan(1, torch.float32)   # what a batch-1 decode step streams
-    if cpu_kernels.small_gemm_available(torch.float32):   # the fused decode op runs here
+    plan = model._decode_plan(1, torch.float32)  # what a batch-1 decode step streams
+    if cpu_kernels.small_gemm_available(torch.float32):  # the fused decode op runs here
         assert plan is not None and all(_inside(arena, t) for t in plan[0] if t.numel())
     if quantization is None:
-        assert model.lm_head.local_weight() is model.embed_tokens.weight   # still tied
-    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
-                   for t in {p.data_ptr(): p for p in model.parameters()}.values())
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))   # no two tensors overlap
+        assert model.lm_head.local_weight() is model.embed_tokens.weight  # still tied
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+        for t in {p.data_ptr(): p for p in model.parameters()}.values()
+    )
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no two tensors overlap
 
     monkeypatch.setattr(weight_arena, "consolidate", lambda m: None)
     plain = Harness(path, prepack=True, quantization=quantization)
@@ -42,9 +45,9 @@ def test_consolidated_model_computes_the_same(tiny_model_dirs, monkeypatch, quan
     ids = list(range(100, 140))
     r_moved, r_plain = moved.new_row(), plain.new_row()
     assert torch.equal(moved.step([(r_moved, ids)])[0], plain.step([(r_plain, ids)])[0])
-    for tok in (7, 8, 9):   # decode steps (the fused decode path's plans are rebuilt on the moved tensors)
+    for tok in (7, 8, 9):  # decode steps (the fused decode path's plans are rebuilt on the moved tensors)
         assert torch.equal(moved.step([(r_moved, [tok])])[0], plain.step([(r_plain, [tok])])[0])
 
 
 def test_nothing_to_move_returns_none():
-    assert weight_arena.consolidate(torch.nn.Linear(4, 4)) is None   # below MIN_BYTES
+    assert weight_arena.consolidate(torch.nn.Linear(4, 4)) is None  # below MIN_BYTES

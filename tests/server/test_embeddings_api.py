@@ -1,6 +1,7 @@
 """/v1/embeddings and /tokenize-style inputs through the clients users have, on the default model:
 the openai SDK (which asks for base64 by default), langchain-openai's OpenAIEmbeddings, and raw
 requests for token-id input and the errors."""
+
 from __future__ import annotations
 
 import math
@@ -23,7 +24,7 @@ def _close(a: list[float], b: list[float]) -> bool:
 
 def test_openai_sdk_embeddings_equal_engine_encode(client, engine):
     texts = ["The cat sat on the mat.", "Quarterly revenue grew by four percent."]
-    r = client.embeddings.create(model="smollm2", input=texts)          # base64 on the wire
+    r = client.embeddings.create(model="smollm2", input=texts)  # base64 on the wire
     assert [d.index for d in r.data] == [0, 1] and r.model == "smollm2"
     direct = engine.encode(texts)
     for d, e in zip(r.data, direct):
@@ -38,8 +39,7 @@ def test_openai_sdk_embeddings_equal_engine_encode(client, engine):
 def test_langchain_openai_embeddings(url, engine):
     lc = pytest.importorskip("langchain_openai")
     # check_embedding_ctx_length would tokenize with tiktoken (a download); plain strings go as they are
-    emb = lc.OpenAIEmbeddings(model="smollm2", base_url=url + "/v1", api_key="unused",
-                              check_embedding_ctx_length=False)
+    emb = lc.OpenAIEmbeddings(model="smollm2", base_url=url + "/v1", api_key="unused", check_embedding_ctx_length=False)
     docs = emb.embed_documents(["first document", "second document"])
     query = emb.embed_query("first document")
     assert len(docs) == 2 and _close(query, docs[0]) and len(query) == engine.hidden_size
@@ -49,12 +49,16 @@ def test_token_ids_and_errors(url, engine):
     ids = engine.tokenizer("The cat sat on the mat.").input_ids
     with httpx.Client(base_url=url, timeout=60) as http:
         by_ids = http.post("/v1/embeddings", json={"input": ids, "encoding_format": "float"}).json()
-        by_text = http.post("/v1/embeddings", json={"input": "The cat sat on the mat.",
-                                                    "encoding_format": "float"}).json()
+        by_text = http.post(
+            "/v1/embeddings", json={"input": "The cat sat on the mat.", "encoding_format": "float"}
+        ).json()
         assert _close(by_ids["data"][0]["embedding"], by_text["data"][0]["embedding"])
-        for body, word in (({"input": []}, "input"), ({"input": [""]}, "empty"),
-                           ({"input": "x", "dimensions": 8}, "dimensions"),
-                           ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
-                           ({"input": "x", "model": "other"}, "does not exist")):
+        for body, word in (
+            ({"input": []}, "input"),
+            ({"input": [""]}, "empty"),
+            ({"input": "x", "dimensions": 8}, "dimensions"),
+            ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+            ({"input": "x", "model": "other"}, "does not exist"),
+        ):
             r = http.post("/v1/embeddings", json=body)
             assert r.status_code in (400, 404) and word in r.json()["error"]["message"], (body, r.text)

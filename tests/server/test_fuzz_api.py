@@ -3,6 +3,7 @@ hypothesis properties of the pieces under it — the detokenizer (any bytes, any
 slot allocator and request table (never a slot handed out twice, all of them returned), and the
 grammar matchers (what they accept fullmatches the regex / validates against the schema).
 The radix cache has its own stateful test in test_radix_cache.py."""
+
 from __future__ import annotations
 
 import json
@@ -29,14 +30,15 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-FUZZ_EXAMPLES = 10        # per operation and mode: ~1-2 minutes in all on a loaded 2-core machine
+FUZZ_EXAMPLES = 10  # per operation and mode: ~1-2 minutes in all on a loaded 2-core machine
 
 
 # --- schemathesis against a live server ---------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine(tiny_model_dirs):
-    with plait.Engine(model=tiny_model_dirs["llama"], dtype="float32", max_total_tokens=4096,
-                      chunked_prefill_size=256, random_seed=0) as eng:
+    with plait.Engine(
+        model=tiny_model_dirs["llama"], dtype="float32", max_total_tokens=4096, chunked_prefill_size=256, random_seed=0
+    ) as eng:
         yield eng
 
 
@@ -63,8 +65,13 @@ def no_server_error(ctx, response, case) -> None:
     return None
 
 
-CHECKS = [no_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
-          negative_data_rejection]
+CHECKS = [
+    no_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    negative_data_rejection,
+]
 
 
 def test_api_fuzz(api_schema):
@@ -76,11 +83,17 @@ def test_api_fuzz(api_schema):
     for result in api_schema.get_all_operations():
         op = result.ok()
         has_input = bool(op.body) or any(True for _ in op.iter_parameters())
-        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)[:1 + has_input]:
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)[: 1 + has_input]:
             calls = []
 
-            @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=True,
-                      phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+            @settings(
+                max_examples=FUZZ_EXAMPLES,
+                deadline=None,
+                database=None,
+                derandomize=True,
+                phases=[Phase.explicit, Phase.generate],
+                suppress_health_check=list(HealthCheck),
+            )
             @given(case=op.as_strategy(generation_mode=mode))
             def run(case) -> None:
                 calls.append(1)
@@ -88,7 +101,7 @@ def test_api_fuzz(api_schema):
 
             try:
                 run()
-            except BaseException as e:   # schemathesis' FailureGroup is a BaseExceptionGroup: collected
+            except BaseException as e:  # schemathesis' FailureGroup is a BaseExceptionGroup: collected
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
                 failures.append(f"{op.method.upper()} {op.path} [{mode.value}]: {str(e)[:1500]}")
@@ -99,10 +112,14 @@ def test_api_fuzz(api_schema):
 
 def test_server_answers_after_fuzzing(base_url, engine):
     """Runs after the fuzz test (file order): the server still generates and nothing leaked."""
-    out = httpx.post(base_url + "/generate", json={"text": "after", "sampling_params": {
-        "temperature": 0, "max_new_tokens": 4}}, timeout=60)
+    out = httpx.post(
+        base_url + "/generate",
+        json={"text": "after", "sampling_params": {"temperature": 0, "max_new_tokens": 4}},
+        timeout=60,
+    )
     assert out.status_code == 200 and len(out.json()["output_ids"]) == 4
     import time
+
     deadline = time.monotonic() + 10
     while engine.kv_slots_in_use():
         assert time.monotonic() < deadline, "KV slots leaked by fuzzed requests"
@@ -113,6 +130,7 @@ def test_server_answers_after_fuzzing(base_url, engine):
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_path):
     from plait.runtime.model_executor.model_loader import load_tokenizer
+
     return load_tokenizer(smollm2_path)
 
 
@@ -121,6 +139,7 @@ def byte_ids(tokenizer) -> dict[int, int]:
     """byte -> the token of that single byte (byte-level BPE), for every byte the vocabulary has
     (all but a few never used in UTF-8), so a byte string is a token sequence."""
     from plait.grammar.tokenizer_info import _bytes_to_unicode
+
     table = _bytes_to_unicode()
     out = {b: tokenizer.convert_tokens_to_ids(table[b]) for b in range(256)}
     out = {b: i for b, i in out.items() if tokenizer.convert_ids_to_tokens(i) == table[b]}
@@ -136,24 +155,26 @@ def _splits(n: int) -> st.SearchStrategy[list[int]]:
 @given(data=st.data())
 def test_detokenizer_any_bytes_any_split(tokenizer, byte_ids, data):
     from plait.runtime.managers.detokenizer import IncrementalDetokenizer
-    raw = data.draw(st.lists(st.sampled_from(sorted(byte_ids)), max_size=40).map(bytes)
-                    | st.text(max_size=15).map(lambda s: s.encode()).filter(lambda b: all(x in byte_ids for x in b)),
-                    label="bytes")
+
+    raw = data.draw(
+        st.lists(st.sampled_from(sorted(byte_ids)), max_size=40).map(bytes)
+        | st.text(max_size=15).map(lambda s: s.encode()).filter(lambda b: all(x in byte_ids for x in b)),
+        label="bytes",
+    )
     ids = [byte_ids[b] for b in raw]
     # mix in ordinary multi-byte tokens too
     extra = data.draw(st.lists(st.integers(0, tokenizer.vocab_size - 1), max_size=6), label="tokens")
-    for pos, tok in zip(data.draw(st.lists(st.integers(0, len(ids)), min_size=len(extra), max_size=len(extra))),
-                        extra):
+    for pos, tok in zip(data.draw(st.lists(st.integers(0, len(ids)), min_size=len(extra), max_size=len(extra))), extra):
         if tok not in tokenizer.all_special_ids:
             ids.insert(pos, tok)
     detok = IncrementalDetokenizer(tokenizer)
     cuts = data.draw(_splits(len(ids)), label="chunk sizes")
     pos, text = 0, ""
     for size in cuts:
-        chunk = ids[pos:pos + size]
+        chunk = ids[pos : pos + size]
         pos += len(chunk)
         delta = detok.add(chunk)
-        assert not delta.endswith("\ufffd")   # half a character is held back, never sent
+        assert not delta.endswith("\ufffd")  # half a character is held back, never sent
         text += delta
     text += detok.add(ids[pos:], final=True)
     assert text == detok.text == tokenizer.decode(ids, skip_special_tokens=True)
@@ -161,8 +182,11 @@ def test_detokenizer_any_bytes_any_split(tokenizer, byte_ids, data):
 
 # --- the KV slot allocator and the request table --------------------------------------------------
 @settings(max_examples=200, deadline=None)
-@given(num_slots=st.integers(1, 64), ops=st.lists(st.tuples(st.booleans(), st.integers(0, 70)), max_size=60),
-       data=st.data())
+@given(
+    num_slots=st.integers(1, 64),
+    ops=st.lists(st.tuples(st.booleans(), st.integers(0, 70)), max_size=60),
+    data=st.data(),
+)
 def test_allocator_never_hands_out_a_slot_twice(num_slots, ops, data):
     alloc = TokenSlotAllocator(num_slots)
     held: list[torch.Tensor] = []
@@ -213,9 +237,12 @@ def test_request_table_rows_unique(rows, ops, data):
 VOCAB = 49152
 REGEXES = [r"[a-z]{1,5}@[a-z]{2,4}\.(com|org)", r"(yes|no)( [0-9]{1,3})?", r"-?[0-9]{1,4}(\.[0-9]{1,2})?"]
 SCHEMAS = [
-    {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0},
-                                      "tag": {"enum": ["a", "b"]}},
-     "required": ["ok", "n", "tag"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0}, "tag": {"enum": ["a", "b"]}},
+        "required": ["ok", "n", "tag"],
+        "additionalProperties": False,
+    },
     {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 3},
 ]
 
@@ -225,18 +252,21 @@ def grammars(tokenizer):
     """(backend, kind, key) -> compiled grammar, for xgrammar (regexes, json_object) and llguidance
     (the default for JSON schemas), each on every spec."""
     from plait.grammar import GrammarSpec, make_backend
+
     out = {}
     for name in ("xgrammar", "llguidance"):
         backend = make_backend(name, tokenizer, VOCAB)
         out.update({(name, "regex", r): backend.compile(GrammarSpec.from_regex(r)) for r in REGEXES})
-        out.update({(name, "schema", i): backend.compile(GrammarSpec.from_json_schema(s))
-                    for i, s in enumerate(SCHEMAS)})
+        out.update(
+            {(name, "schema", i): backend.compile(GrammarSpec.from_json_schema(s)) for i, s in enumerate(SCHEMAS)}
+        )
     return out
 
 
 XGRAMMAR_CONTROL_CHARS = pytest.mark.xfail(
     reason="xgrammar's JSON string rule lets raw control characters (U+0000-U+001F) through: '[\"\\x00!\"]' "
-           "is accepted, and is not JSON (see test_xgrammar_json_strings_reject_control_characters)")
+    "is accepted, and is not JSON (see test_xgrammar_json_strings_reject_control_characters)"
+)
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
@@ -247,6 +277,7 @@ def test_regex_matcher_accepts_exactly_matching_text(tokenizer, grammars, backen
     mask allows always ends in a string that fullmatches."""
     from plait.grammar import allocate_token_bitmask
     from plait.grammar.bitmask import unpack_bitmask
+
     pattern = data.draw(st.sampled_from(REGEXES))
     grammar = grammars[(backend, "regex", pattern)]
     text = data.draw(st.from_regex(pattern, fullmatch=True).filter(lambda s: s.isascii()))
@@ -262,11 +293,11 @@ def test_regex_matcher_accepts_exactly_matching_text(tokenizer, grammars, backen
         allowed = unpack_bitmask(bm, VOCAB)[0].nonzero().flatten().tolist()
         t = data.draw(st.sampled_from(allowed))
         assert m.accept(t)
-        if t not in tokenizer.all_special_ids:   # EOS ends the walk without being text
+        if t not in tokenizer.all_special_ids:  # EOS ends the walk without being text
             out.append(t)
         if m.is_finished():
             break
-    assert m.is_finished(), (pattern, tokenizer.decode(out))   # the patterns are bounded
+    assert m.is_finished(), (pattern, tokenizer.decode(out))  # the patterns are bounded
     text = tokenizer.decode([t for t in out if t not in tokenizer.all_special_ids])
     assert re.fullmatch(pattern, text), (pattern, text)
 
@@ -278,6 +309,7 @@ def test_schema_matcher_outputs_validate(tokenizer, grammars, backend, data):
     jsonschema = pytest.importorskip("jsonschema")
     from plait.grammar import allocate_token_bitmask
     from plait.grammar.bitmask import unpack_bitmask
+
     i = data.draw(st.integers(0, len(SCHEMAS) - 1))
     m = grammars[(backend, "schema", i)].matcher()
     bm = allocate_token_bitmask(1, VOCAB)
@@ -290,17 +322,20 @@ def test_schema_matcher_outputs_validate(tokenizer, grammars, backend, data):
         if t not in tokenizer.all_special_ids:
             out.append(t)
     if not m.is_finished():
-        return   # a walk that never closed within the budget says nothing about validity
+        return  # a walk that never closed within the budget says nothing about validity
     text = tokenizer.decode([t for t in out if t not in tokenizer.all_special_ids])
     jsonschema.validate(json.loads(text), SCHEMAS[i])
 
 
-@pytest.mark.xfail(strict=True, reason="xgrammar accepts a raw control character inside a JSON string "
-                   "(found by test_schema_matcher_outputs_validate); json_object output can be invalid JSON")
+@pytest.mark.xfail(
+    strict=True,
+    reason="xgrammar accepts a raw control character inside a JSON string "
+    "(found by test_schema_matcher_outputs_validate); json_object output can be invalid JSON",
+)
 def test_xgrammar_json_strings_reject_control_characters(tokenizer, grammars):
-    nul = tokenizer.convert_tokens_to_ids("\u0100")   # byte-level BPE's token for the byte 0x00
+    nul = tokenizer.convert_tokens_to_ids("\u0100")  # byte-level BPE's token for the byte 0x00
     assert tokenizer.decode([nul]) == "\x00"
-    m = grammars[("xgrammar", "schema", 1)].matcher()   # an array of strings
+    m = grammars[("xgrammar", "schema", 1)].matcher()  # an array of strings
     for t in tokenizer.encode('["', add_special_tokens=False):
         assert m.accept(t)
     assert not m.accept(nul)

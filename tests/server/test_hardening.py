@@ -7,6 +7,7 @@ every route, private socket folder, no pickle, no remote code, model names, no p
 Decisions recorded here: unknown fields are ignored (as OpenAI's API does), on every route and in
 `sampling_params`; a prompt made only of special tokens is a valid prompt (200); a request with
 no Content-Type is read as JSON (curl), any non-JSON Content-Type is a 415."""
+
 from __future__ import annotations
 
 import asyncio
@@ -40,8 +41,14 @@ LONG = {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dirs):
-    with plait.Engine(model=tiny_model_dirs["llama"], dtype="float32", max_total_tokens=8192,
-                      chunked_prefill_size=256, max_running_requests=32, random_seed=0) as eng:
+    with plait.Engine(
+        model=tiny_model_dirs["llama"],
+        dtype="float32",
+        max_total_tokens=8192,
+        chunked_prefill_size=256,
+        max_running_requests=32,
+        random_seed=0,
+    ) as eng:
         yield eng
 
 
@@ -64,12 +71,38 @@ def still_serves(http: httpx.Client) -> None:
 
 
 # --- bad input --------------------------------------------------------------------------------
-NATIVE_NUMERIC = ("temperature", "top_p", "top_k", "min_p", "max_new_tokens", "min_new_tokens", "frequency_penalty",
-                  "presence_penalty", "repetition_penalty", "n")
-OPENAI_NUMERIC = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "frequency_penalty", "presence_penalty",
-                  "repetition_penalty", "n", "logprobs")
-BAD_NUMBERS = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity", "neg": "-3", "huge": "1" + "0" * 30,
-               "hugefloat": "1e400"}
+NATIVE_NUMERIC = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "max_new_tokens",
+    "min_new_tokens",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "n",
+)
+OPENAI_NUMERIC = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "max_tokens",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "n",
+    "logprobs",
+)
+BAD_NUMBERS = {
+    "nan": "NaN",
+    "inf": "Infinity",
+    "-inf": "-Infinity",
+    "neg": "-3",
+    "huge": "1" + "0" * 30,
+    "hugefloat": "1e400",
+}
 # Huge but finite is a valid value for these (it flattens / suppresses sampling): 200, not 400.
 UNBOUNDED_ABOVE = ("temperature", "repetition_penalty")
 
@@ -83,17 +116,25 @@ def _bad_cases() -> list:
     for name in NATIVE_NUMERIC:
         for tag, lit in BAD_NUMBERS.items():
             if name in ("top_k",) and tag == "neg":
-                lit = "-2"   # -1 means "off"
-            body = _raw('{"text": "x", "sampling_params": {"max_new_tokens": 2, "%s": VALUE}}' % name
-                        if name != "max_new_tokens" else '{"text": "x", "sampling_params": {"%s": VALUE}}' % name, lit)
+                lit = "-2"  # -1 means "off"
+            body = _raw(
+                '{"text": "x", "sampling_params": {"max_new_tokens": 2, "%s": VALUE}}' % name
+                if name != "max_new_tokens"
+                else '{"text": "x", "sampling_params": {"%s": VALUE}}' % name,
+                lit,
+            )
             status = 200 if (tag == "huge" and name in UNBOUNDED_ABOVE) else 400
             cases.append(pytest.param("/generate", body, status, name, id=f"native-{name}-{tag}"))
     for name in OPENAI_NUMERIC:
         for tag, lit in BAD_NUMBERS.items():
             if name == "top_k" and tag == "neg":
                 lit = "-2"
-            body = _raw('{"prompt": "x", "max_tokens": 2, "%s": VALUE}' % name if name != "max_tokens"
-                        else '{"prompt": "x", "max_tokens": VALUE}', lit)
+            body = _raw(
+                '{"prompt": "x", "max_tokens": 2, "%s": VALUE}' % name
+                if name != "max_tokens"
+                else '{"prompt": "x", "max_tokens": VALUE}',
+                lit,
+            )
             status = 200 if (tag == "huge" and name in UNBOUNDED_ABOVE) else 400
             cases.append(pytest.param("/v1/completions", body, status, name, id=f"completions-{name}-{tag}"))
     for tag, lit in BAD_NUMBERS.items():
@@ -114,22 +155,37 @@ def _bad_cases() -> list:
         pytest.param("/v1/chat/completions", {"messages": []}, 400, "messages", id="no-messages"),
         pytest.param("/generate", {"text": "x", "sampling_params": {"stop": stops}}, 400, "stop", id="5000-stops"),
         pytest.param("/v1/chat/completions", {"messages": chat, "stop": stops}, 400, "stop", id="5000-stops-chat"),
-        pytest.param("/generate", {"text": "x", "sampling_params": {"stop": ["x" * 5000]}}, 400, "stop",
-                     id="long-stop"),
-        pytest.param("/generate", {"text": "x", "sampling_params": {"stop_token_ids": list(range(2000))}}, 400,
-                     "stop_token_ids", id="many-stop-ids"),
+        pytest.param(
+            "/generate", {"text": "x", "sampling_params": {"stop": ["x" * 5000]}}, 400, "stop", id="long-stop"
+        ),
+        pytest.param(
+            "/generate",
+            {"text": "x", "sampling_params": {"stop_token_ids": list(range(2000))}},
+            400,
+            "stop_token_ids",
+            id="many-stop-ids",
+        ),
         pytest.param("/generate", {"text": "x", "sampling_params": {"n": 10**6}}, 400, "n", id="n-million"),
         pytest.param("/generate", {"text": ["x"] * 2000}, 400, "sequences", id="2000-prompts"),
         pytest.param("/v1/completions", {"prompt": "x", "n": 10**9}, 400, "n", id="completions-n-billion"),
         pytest.param("/generate", {"text": "x", "sampling_params": {"seed": 2**70}}, 400, "seed", id="huge-seed"),
         pytest.param("/generate", {"input_ids": [2**70]}, 400, "input_ids", id="huge-token-id"),
-        pytest.param("/generate", {"text": "x", "sampling_params": {"regex": "(unclosed"}}, 400, "grammar",
-                     id="bad-regex"),
-        pytest.param("/generate", {"text": "x", "sampling_params": {"json_schema": "{not json"}}, 400, "",
-                     id="schema-not-json"),
-        pytest.param("/v1/chat/completions", {"messages": chat, "response_format": {
-            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}}, 400, "schema",
-            id="schema-invalid"),
+        pytest.param(
+            "/generate", {"text": "x", "sampling_params": {"regex": "(unclosed"}}, 400, "grammar", id="bad-regex"
+        ),
+        pytest.param(
+            "/generate", {"text": "x", "sampling_params": {"json_schema": "{not json"}}, 400, "", id="schema-not-json"
+        ),
+        pytest.param(
+            "/v1/chat/completions",
+            {
+                "messages": chat,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}},
+            },
+            400,
+            "schema",
+            id="schema-invalid",
+        ),
         pytest.param("/generate", {"text": "x " * 600}, 400, "context length", id="prompt-too-long"),
         pytest.param("/generate", {"text": "x", "sampling_params": []}, 400, "sampling_params", id="no-params"),
     ]
@@ -138,8 +194,11 @@ def _bad_cases() -> list:
 
 @pytest.mark.parametrize(("path", "body", "status", "word"), _bad_cases())
 def test_bad_input(http, engine, path, body, status, word):
-    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+    kw = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if isinstance(body, bytes)
         else {"json": body}
+    )
     t0 = time.monotonic()
     resp = http.post(path, **kw)
     if status == 200:
@@ -150,8 +209,9 @@ def test_bad_input(http, engine, path, body, status, word):
     still_serves(http)
 
 
-@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
-                                          "application/xml"])
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", "application/xml"]
+)
 def test_wrong_content_type(http, content_type):
     for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
         resp = http.post(path, content=b'{"text": "x", "prompt": "x"}', headers={"content-type": content_type})
@@ -172,8 +232,10 @@ def test_unknown_fields_are_ignored(http):
     assert out.status_code == 200 and len(out.json()["output_ids"]) == 4
     out = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "temperature": 0, "bogus": {"a": 1}})
     assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 3
-    out = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x", "extra": 1}],
-                                                  "max_tokens": 2, "frobnicate": True})
+    out = http.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "x", "extra": 1}], "max_tokens": 2, "frobnicate": True},
+    )
     assert out.status_code == 200
 
 
@@ -187,19 +249,47 @@ def test_special_token_prompts_are_valid(http, engine):
     assert out.status_code == 200
 
 
-@pytest.mark.parametrize("spec", [
-    {"regex": "(a+)+$"},
-    {"regex": "(a|aa)*b(x+x+)+y"},
-    {"json_schema": json.dumps({"type": "object", "properties": {"s": {"type": "string", "pattern": "^(a+)+$"}},
-                                "required": ["s"]})},
-    {"json_schema": json.dumps({"$ref": "#"})},
-    {"json_schema": json.dumps({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"})},
-    {"json_schema": json.dumps({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
-                                "$ref": "#/$defs/a"})},
-    {"json_schema": json.dumps({"$defs": {"t": {"type": "object", "properties": {"kids": {
-        "type": "array", "items": {"$ref": "#/$defs/t"}, "maxItems": 2}}}}, "$ref": "#/$defs/t"})},
-], ids=["nested-quantifier", "alternation-blowup", "schema-pattern", "ref-self", "ref-loop", "ref-cycle",
-        "recursive-tree"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"regex": "(a+)+$"},
+        {"regex": "(a|aa)*b(x+x+)+y"},
+        {
+            "json_schema": json.dumps(
+                {"type": "object", "properties": {"s": {"type": "string", "pattern": "^(a+)+$"}}, "required": ["s"]}
+            )
+        },
+        {"json_schema": json.dumps({"$ref": "#"})},
+        {"json_schema": json.dumps({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"})},
+        {
+            "json_schema": json.dumps(
+                {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+            )
+        },
+        {
+            "json_schema": json.dumps(
+                {
+                    "$defs": {
+                        "t": {
+                            "type": "object",
+                            "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/t"}, "maxItems": 2}},
+                        }
+                    },
+                    "$ref": "#/$defs/t",
+                }
+            )
+        },
+    ],
+    ids=[
+        "nested-quantifier",
+        "alternation-blowup",
+        "schema-pattern",
+        "ref-self",
+        "ref-loop",
+        "ref-cycle",
+        "recursive-tree",
+    ],
+)
 def test_pathological_grammars_answer_in_bounded_time(http, engine, spec):
     """Catastrophic-backtracking patterns and recursive $refs: a 200 (the grammar is fine: no regex
     backtracking is involved) or a clear 400 (it does not compile), within seconds, never a 5xx."""
@@ -217,8 +307,11 @@ def test_pathological_grammars_answer_in_bounded_time(http, engine, spec):
 def test_openapi_describes_the_generate_routes(http):
     spec = http.get("/openapi.json").json()
     comps = spec["components"]["schemas"]
-    for path, model in (("/generate", "GenerateRequest"), ("/v1/completions", "CompletionRequest"),
-                        ("/v1/chat/completions", "ChatCompletionRequest")):
+    for path, model in (
+        ("/generate", "GenerateRequest"),
+        ("/v1/completions", "CompletionRequest"),
+        ("/v1/chat/completions", "ChatCompletionRequest"),
+    ):
         body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert body == {"$ref": f"#/components/schemas/{model}"}
         assert {"200", "400", "503"} <= set(spec["paths"][path]["post"]["responses"])
@@ -237,13 +330,17 @@ def test_more_requests_than_the_queue_get_503(engine):
     """12 concurrent requests on a server that holds 3: the rest get 503 + Retry-After at once,
     every one gets an answer, and no KV slot leaks."""
     with serve(create_app(engine, max_queued_requests=3)) as base:
+
         async def one(client: httpx.AsyncClient) -> httpx.Response:
-            return await client.post("/generate", json={"text": "load", "sampling_params": {
-                "temperature": 0, "max_new_tokens": 64, "ignore_eos": True}})
+            return await client.post(
+                "/generate",
+                json={"text": "load", "sampling_params": {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}},
+            )
 
         async def main() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=base, timeout=60) as client:
                 return await asyncio.gather(*(one(client) for _ in range(12)))
+
         answers = asyncio.run(main())
     codes = sorted(r.status_code for r in answers)
     assert set(codes) == {200, 503} and codes.count(200) >= 3, codes
@@ -259,15 +356,30 @@ def test_more_requests_than_the_queue_get_503(engine):
 def test_kv_overcommit_retracts_and_completes(tiny_model_dirs):
     """8 requests needing ~8 x 110 KV slots on a 320-slot pool: retraction, never a crash; every
     request completes in full."""
-    with plait.Engine(model=tiny_model_dirs["llama"], dtype="float32", max_total_tokens=320,
-                      chunked_prefill_size=256, random_seed=0) as eng, serve(create_app(eng)) as base:
+    with (
+        plait.Engine(
+            model=tiny_model_dirs["llama"],
+            dtype="float32",
+            max_total_tokens=320,
+            chunked_prefill_size=256,
+            random_seed=0,
+        ) as eng,
+        serve(create_app(eng)) as base,
+    ):
+
         async def one(client: httpx.AsyncClient, i: int) -> httpx.Response:
-            return await client.post("/generate", json={"text": f"request number {i} " * 6, "sampling_params": {
-                "temperature": 0, "max_new_tokens": 90, "ignore_eos": True}})
+            return await client.post(
+                "/generate",
+                json={
+                    "text": f"request number {i} " * 6,
+                    "sampling_params": {"temperature": 0, "max_new_tokens": 90, "ignore_eos": True},
+                },
+            )
 
         async def main() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=base, timeout=120) as client:
                 return await asyncio.gather(*(one(client, i) for i in range(8)))
+
         answers = asyncio.run(main())
         assert [r.status_code for r in answers] == [200] * 8
         assert all(len(r.json()["output_ids"]) == 90 for r in answers)
@@ -285,8 +397,11 @@ def test_request_timeout(engine):
         resp = c.post("/generate", json={"text": "slow", "sampling_params": {**LONG, "n": 8}})
         assert time.monotonic() - t0 < 5
         assert_error(resp, 504, "limit of 0.1 s")
-        with c.stream("POST", "/v1/completions", json={"prompt": "slow", "max_tokens": 400, "n": 8, "stream": True,
-                                                        "ignore_eos": True, "temperature": 0}) as r:
+        with c.stream(
+            "POST",
+            "/v1/completions",
+            json={"prompt": "slow", "max_tokens": 400, "n": 8, "stream": True, "ignore_eos": True, "temperature": 0},
+        ) as r:
             events = sse_events(r.iter_lines())
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "request_timeout"
         with c.stream("POST", "/generate", json={"text": "slow", "sampling_params": LONG, "stream": True}) as r:
@@ -301,12 +416,15 @@ def test_body_limit_also_for_chunked_bodies(http):
     def chunks():
         for _ in range(10):
             yield b" " * (1024 * 1024)
+
     assert_error(http.post("/generate", content=chunks()), 413)
     # a declared length past the limit is refused before any of the body is read
     host, port = http.base_url.host, http.base_url.port
     with socket.create_connection((host, port), timeout=10) as sock:
-        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 99999999999\r\n\r\n{}")
+        sock.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 99999999999\r\n\r\n{}"
+        )
         head = ""
         while "}}" not in head:
             chunk = sock.recv(65536).decode()
@@ -319,21 +437,31 @@ def test_body_limit_also_for_chunked_bodies(http):
 
 def test_kv_pool_sizing_is_bounded(tiny_model_dirs):
     from plait.runtime.server_args import ServerArgs
+
     for bad in (0, 1.5, 5.0):
         with pytest.raises(ValueError, match="kv_memory_fraction"):
             ServerArgs(kv_memory_fraction=bad)
-    with pytest.raises(ValueError, match="max-total-tokens"):   # ~ petabytes: refused, not OOM-killed
+    with pytest.raises(ValueError, match="max-total-tokens"):  # ~ petabytes: refused, not OOM-killed
         plait.Engine(model=tiny_model_dirs["llama"], dtype="float32", max_total_tokens=10**12)
 
 
 # --- faults -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("events_read", [0, 1, 5])
 def test_disconnects_at_any_point_free_kv(url, engine, events_read):
-    bodies = [("/generate", {"text": "bye", "sampling_params": {**LONG, "n": 1}, "stream": True}),
-              ("/v1/completions", {"prompt": "bye", "max_tokens": 400, "n": 3, "stream": True, "ignore_eos": True}),
-              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "bye"}], "max_tokens": 400,
-                                        "stream": True, "ignore_eos": True,
-                                        "response_format": {"type": "json_object"}})]
+    bodies = [
+        ("/generate", {"text": "bye", "sampling_params": {**LONG, "n": 1}, "stream": True}),
+        ("/v1/completions", {"prompt": "bye", "max_tokens": 400, "n": 3, "stream": True, "ignore_eos": True}),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "bye"}],
+                "max_tokens": 400,
+                "stream": True,
+                "ignore_eos": True,
+                "response_format": {"type": "json_object"},
+            },
+        ),
+    ]
     with httpx.Client(base_url=url, timeout=30) as client:
         for path, body in bodies:
             with client.stream("POST", path, json=body) as resp:
@@ -354,8 +482,10 @@ def test_disconnects_at_any_point_free_kv(url, engine, events_read):
 
 def _slow_schema(i: int) -> dict:
     """A schema (unique per i, so never cached) that takes a while to compile."""
-    props = {f"field_{i}_{k}": {"type": "string", "pattern": f"^[a-z]{{{k % 7 + 1},{k % 7 + 40}}}[0-9]{{2,9}}$"}
-             for k in range(60)}
+    props = {
+        f"field_{i}_{k}": {"type": "string", "pattern": f"^[a-z]{{{k % 7 + 1},{k % 7 + 40}}}[0-9]{{2,9}}$"}
+        for k in range(60)
+    }
     return {"type": "object", "properties": props, "required": list(props)}
 
 
@@ -386,13 +516,19 @@ def test_model_worker_killed_mid_batch(tiny_model_dirs):
             results: dict[str, object] = {}
 
             def nonstream(i: int) -> None:
-                results[f"plain{i}"] = httpx.post(base + "/generate", json={"text": f"p{i}", "sampling_params": LONG},
-                                                  timeout=30)
+                results[f"plain{i}"] = httpx.post(
+                    base + "/generate", json={"text": f"p{i}", "sampling_params": LONG}, timeout=30
+                )
 
             def stream(i: int) -> None:
-                with httpx.stream("POST", base + "/v1/completions", timeout=30, json={
-                        "prompt": f"s{i}", "max_tokens": 400, "stream": True, "ignore_eos": True}) as r:
+                with httpx.stream(
+                    "POST",
+                    base + "/v1/completions",
+                    timeout=30,
+                    json={"prompt": f"s{i}", "max_tokens": 400, "stream": True, "ignore_eos": True},
+                ) as r:
                     results[f"stream{i}"] = sse_events(r.iter_lines())
+
             threads = [threading.Thread(target=f, args=(i,)) for i in range(3) for f in (nonstream, stream)]
             for t in threads:
                 t.start()
@@ -429,6 +565,7 @@ def test_serve_worker_killed_under_load_exits(tiny_model_dirs):
                 outcomes.append(str(r.status_code))
             except httpx.TransportError as e:
                 outcomes.append(type(e).__name__)
+
         threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
@@ -454,10 +591,31 @@ def served(model: str, *flags: str):
     """`plait serve` in a subprocess (as test_http_server.running_serve, with a start-up deadline
     for a loaded machine); yields (process, base url)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "plait.cli", "serve", "--model", model, "--port", str(port), "--dtype", "float32",
-           "--max-total-tokens", "4096", "--log-level", "warning", *flags]
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "plait.cli",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "4096",
+        "--log-level",
+        "warning",
+        *flags,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, base, 240, "plait serve")
@@ -475,21 +633,24 @@ def test_sigterm_under_load_drains_and_exits_0(tiny_model_dirs):
         outcomes: dict[str, str] = {}
 
         def plain(i: int) -> None:
-            r = httpx.post(base + "/generate", json={"text": f"t{i}", "sampling_params": {**LONG, "n": 4}},
-                           timeout=30)
+            r = httpx.post(base + "/generate", json={"text": f"t{i}", "sampling_params": {**LONG, "n": 4}}, timeout=30)
             ok = r.status_code == 200 and all(len(x["output_ids"]) == 400 for x in r.json())
             unavailable = r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
             outcomes[f"plain{i}"] = "complete" if ok else "unavailable" if unavailable else f"error {r.status_code}"
 
         def stream(i: int) -> None:
-            with httpx.stream("POST", base + "/generate", timeout=30, json={
-                    "text": f"u{i}", "sampling_params": LONG, "stream": True}) as r:
+            with httpx.stream(
+                "POST", base + "/generate", timeout=30, json={"text": f"u{i}", "sampling_params": LONG, "stream": True}
+            ) as r:
                 ev = sse_events(r.iter_lines())
             assert ev[-1] == "[DONE]", ev[-2:]
             done = "meta_info" in ev[-2] and ev[-2]["meta_info"]["finish_reason"]["type"] == "length"
             # (a stream's status was 200 when it started: the drain ends it with an error event)
             code = None if done else ev[-2].get("error", {}).get("code")
-            outcomes[f"stream{i}"] = "complete" if done else "unavailable" if code == "service_unavailable" else f"error {code}"
+            outcomes[f"stream{i}"] = (
+                "complete" if done else "unavailable" if code == "service_unavailable" else f"error {code}"
+            )
+
         threads = [threading.Thread(target=f, args=(i,)) for i in range(3) for f in (plain, stream)]
         for t in threads:
             t.start()
@@ -513,25 +674,40 @@ def test_api_key_on_every_route_but_health(engine, monkeypatch):
     def spy(a, b):
         calls.append(1)
         return real(a, b)
+
     monkeypatch.setattr(http_common.hmac, "compare_digest", spy)
     app = create_app(engine, api_key="k3y", served_model_name="tiny")
     routes = [(r.path, m) for r in app.routes if hasattr(r, "methods") for m in sorted(r.methods - {"HEAD"})]
     assert len(routes) >= 15
     with serve(app) as base, httpx.Client(base_url=base, timeout=30) as c:
         for path, method in routes:
-            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic k3y"},
-                            {"Authorization": "Bearer k3y-longer"}):
+            for headers in (
+                {},
+                {"Authorization": "Bearer wrong"},
+                {"Authorization": "Basic k3y"},
+                {"Authorization": "Bearer k3y-longer"},
+            ):
                 resp = c.request(method, path, headers=headers, json={"text": "x"})
                 if path == "/health":
                     assert resp.status_code == 200
-                elif path.startswith("/v1/messages"):   # Anthropic's error shape there
+                elif path.startswith("/v1/messages"):  # Anthropic's error shape there
                     assert resp.status_code == 401 and resp.json()["error"]["type"] == "authentication_error"
                     assert "API key" in resp.json()["error"]["message"]
                 else:
                     assert_error(resp, 401, "API key")
-            ok = c.request(method, path, headers={"Authorization": "Bearer k3y"},
-                           json={"text": "x", "sampling_params": GREEDY, "prompt": "x", "max_tokens": 1,
-                                 "messages": [{"role": "user", "content": "x"}], "rid": "none"})
+            ok = c.request(
+                method,
+                path,
+                headers={"Authorization": "Bearer k3y"},
+                json={
+                    "text": "x",
+                    "sampling_params": GREEDY,
+                    "prompt": "x",
+                    "max_tokens": 1,
+                    "messages": [{"role": "user", "content": "x"}],
+                    "rid": "none",
+                },
+            )
             assert ok.status_code != 401, (path, ok.text)
     assert calls, "the key must be compared with hmac.compare_digest"
 
@@ -546,6 +722,7 @@ def test_ipc_dir_is_private(engine):
 def test_sockets_carry_msgpack_never_pickle():
     from plait.runtime.managers import ipc
     from plait.runtime.request import GenerateInput
+
     codec = ipc.Codec(ipc.ToScheduler)
     msg = ipc.AbortReq(rid="r")
     assert msgspec.msgpack.decode(codec.encode(msg)) == {"type": "AbortReq", "rid": "r"}
@@ -553,10 +730,11 @@ def test_sockets_carry_msgpack_never_pickle():
     class Boom:
         def __reduce__(self):
             return (os.system, ("touch /tmp/plait-pwned",))
+
     with pytest.raises(msgspec.DecodeError):
         codec.decode(pickle.dumps(Boom()))
     with pytest.raises((TypeError, NotImplementedError, msgspec.EncodeError)):
-        codec.encode(GenerateInput(rid="r", input_ids=[1], params=Boom(), seed=0))   # no fallback to pickle
+        codec.encode(GenerateInput(rid="r", input_ids=[1], params=Boom(), seed=0))  # no fallback to pickle
 
 
 def test_no_unrestricted_unpickling_in_runtime():
@@ -564,8 +742,11 @@ def test_no_unrestricted_unpickling_in_runtime():
     restrict what it loads (an Unpickler subclass with an allow-list `find_class`)."""
     runtime = os.path.join(REPO, "runtime")
     offenders = []
-    for name in sorted(os.path.relpath(os.path.join(d, f), runtime)   # every subpackage too
-                       for d, _, files in os.walk(runtime) for f in files):
+    for name in sorted(
+        os.path.relpath(os.path.join(d, f), runtime)  # every subpackage too
+        for d, _, files in os.walk(runtime)
+        for f in files
+    ):
         if not name.endswith(".py"):
             continue
         with open(os.path.join(runtime, name)) as f:
@@ -582,12 +763,15 @@ def test_no_remote_code(tmp_path, tiny_model_dirs):
     import shutil
 
     from plait.runtime.model_executor.model_loader import load_config
+
     folder = tmp_path / "evil"
     shutil.copytree(tiny_model_dirs["llama"], folder)
     marker = tmp_path / "ran"
-    (folder / "evil_config.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
-                                           "from transformers import PretrainedConfig\n"
-                                           "class EvilConfig(PretrainedConfig):\n    model_type = 'evil'\n")
+    (folder / "evil_config.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n"
+        "from transformers import PretrainedConfig\n"
+        "class EvilConfig(PretrainedConfig):\n    model_type = 'evil'\n"
+    )
     cfg = json.loads((folder / "config.json").read_text())
     cfg.update(model_type="evil", auto_map={"AutoConfig": "evil_config.EvilConfig"})
     (folder / "config.json").write_text(json.dumps(cfg))
@@ -604,11 +788,13 @@ def test_no_remote_code(tmp_path, tiny_model_dirs):
 
 def test_model_names_never_reach_outside(http, monkeypatch, tmp_path):
     from plait.runtime.model_executor import model_loader
-    for name in ("../../etc/passwd", "/etc/passwd", "~/.ssh/id_rsa"):   # a client's `model`: a name, never a path
+
+    for name in ("../../etc/passwd", "/etc/passwd", "~/.ssh/id_rsa"):  # a client's `model`: a name, never a path
         assert_error(http.post("/v1/completions", json={"model": name, "prompt": "x"}), 404, "does not exist")
 
     def no_hub(*a, **k):
         raise AssertionError("must not reach the hub")
+
     monkeypatch.setattr(model_loader, "_download_from_hub", no_hub)
     monkeypatch.chdir(tmp_path)
     for name in ("org/../../etc", "a/..", "org/.hidden", "../x", "x/y/../../z"):
@@ -619,12 +805,16 @@ def test_model_names_never_reach_outside(http, monkeypatch, tmp_path):
 def test_logs_never_hold_prompts_unless_asked(engine, caplog):
     secret = "PROMPT-SECRET-4242"
     caplog.set_level(logging.DEBUG)
-    caplog.set_level(logging.DEBUG, logger="plait")   # the engine sets its own level
+    caplog.set_level(logging.DEBUG, logger="plait")  # the engine sets its own level
     with serve(create_app(engine, log_interval=0.05)) as base, httpx.Client(base_url=base, timeout=30) as c:
         assert c.post("/generate", json={"text": secret, "sampling_params": GREEDY}).status_code == 200
         assert c.post("/v1/completions", json={"prompt": secret, "max_tokens": 2}).status_code == 200
-        assert c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": secret}],
-                                                    "max_tokens": 2}).status_code == 200
+        assert (
+            c.post(
+                "/v1/chat/completions", json={"messages": [{"role": "user", "content": secret}], "max_tokens": 2}
+            ).status_code
+            == 200
+        )
         assert c.post("/generate", json={"text": secret, "sampling_params": {"regex": "("}}).status_code == 400
         time.sleep(0.2)
     assert not [r for r in caplog.records if secret in r.getMessage()]
@@ -640,8 +830,21 @@ def test_soak_short(tiny_model_dirs, capsys):
     """`plait bench soak` for ~30 s on the tiny model: mixed traffic with aborts; nothing lost, no
     KV slot leaked (the benchmark's own verdict), and its report has the RSS curve and counts."""
     from plait.benchmarks import soak
-    code = soak.main(["--model", tiny_model_dirs["llama"], "--minutes", "0.5", "--concurrency", "6",
-                      "--max-total-tokens", "2048", "--sample-s", "3"])
+
+    code = soak.main(
+        [
+            "--model",
+            tiny_model_dirs["llama"],
+            "--minutes",
+            "0.5",
+            "--concurrency",
+            "6",
+            "--max-total-tokens",
+            "2048",
+            "--sample-s",
+            "3",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     totals = re.search(r"^\s+total\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)$", out, re.MULTILINE)

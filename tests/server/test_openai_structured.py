@@ -1,6 +1,7 @@
 """Structured output and tool calling on the OpenAI-compatible API: the official `openai` client
 against a real server on loopback over the real default model (SmolLM2-135M-Instruct), plus the
 tool-call parsing and schema helpers on their own."""
+
 from __future__ import annotations
 
 import json
@@ -16,28 +17,59 @@ from plait.runtime.server.http_server import create_app
 from plait.runtime.server.openai_tools import ToolPlan, parse_tools, tool_call_schema
 from plait.runtime.server.tool_calls import ToolStream, parse_tool_calls
 
-PERSON = {"type": "object",
-          "properties": {"name": {"type": "string", "maxLength": 12},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                         "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]}},
-          "required": ["name", "age", "city"], "additionalProperties": False}
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city",
-    "parameters": {"type": "object",
-                   "properties": {"city": {"type": "string", "maxLength": 12},
-                                  "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "description": "Add two integers",
-    "parameters": {"type": "object",
-                   "properties": {"a": {"type": "integer", "minimum": -1000, "maximum": 1000},
-                                  "b": {"$ref": "#/$defs/small"}},
-                   "required": ["a", "b"], "additionalProperties": False,
-                   "$defs": {"small": {"type": "integer", "minimum": 0, "maximum": 99}}}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "The current time in a time zone",
-    "parameters": {"type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET", "JST"]}},
-                   "required": ["tz"], "additionalProperties": False}}}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer", "minimum": -1000, "maximum": 1000}, "b": {"$ref": "#/$defs/small"}},
+            "required": ["a", "b"],
+            "additionalProperties": False,
+            "$defs": {"small": {"type": "integer", "minimum": 0, "maximum": 99}},
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The current time in a time zone",
+        "parameters": {
+            "type": "object",
+            "properties": {"tz": {"type": "string", "enum": ["UTC", "CET", "JST"]}},
+            "required": ["tz"],
+            "additionalProperties": False,
+        },
+    },
+}
 TOOLS = [WEATHER, ADD, TIME]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
@@ -47,13 +79,19 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris to
 def test_parse_tool_calls_formats():
     names = ["add", "get_weather"]
     assert parse_tool_calls("just text", names) == ("just text", [])
-    content, calls = parse_tool_calls('Sure. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n'
-                                      '</tool_call>\n<tool_call>{"name": "get_weather", "arguments": '
-                                      '{"city": "Oslo"}}</tool_call>', names)
+    content, calls = parse_tool_calls(
+        'Sure. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n'
+        '</tool_call>\n<tool_call>{"name": "get_weather", "arguments": '
+        '{"city": "Oslo"}}</tool_call>',
+        names,
+    )
     assert content == "Sure." and [c["name"] for c in calls] == ["add", "get_weather"]
     assert json.loads(calls[0]["arguments"]) == {"a": 1, "b": 2}
     assert parse_tool_calls(' {"name": "add", "arguments": {"a": 3}}', names)[1][0]["arguments"] == '{"a": 3}'
-    assert parse_tool_calls('[{"name": "add", "parameters": {}}]', names) == (None, [{"name": "add", "arguments": "{}"}])
+    assert parse_tool_calls('[{"name": "add", "parameters": {}}]', names) == (
+        None,
+        [{"name": "add", "arguments": "{}"}],
+    )
     # unknown function, malformed or cut-off calls stay text
     for text in ('{"name": "rm", "arguments": {}}', '<tool_call>{"name": "add", "argu', '{"a": 1}'):
         assert parse_tool_calls(text, names) == (text, [])
@@ -82,10 +120,16 @@ def _reassemble(deltas: list[dict]) -> dict[int, dict]:
     return calls
 
 
-@pytest.mark.parametrize("choice, text", [
-    ("required", '[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_time", "arguments": {"tz": "UTC"}}]'),
-    ("auto", 'Sure. <tool_call>\n{"name": "get_time", "arguments": {"tz": "JST"}}\n</tool_call>'),
-])
+@pytest.mark.parametrize(
+    "choice, text",
+    [
+        (
+            "required",
+            '[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_time", "arguments": {"tz": "UTC"}}]',
+        ),
+        ("auto", 'Sure. <tool_call>\n{"name": "get_time", "arguments": {"tz": "JST"}}\n</tool_call>'),
+    ],
+)
 def test_tool_calls_stream_as_written(choice, text):
     """Grammar-held calls stream as OpenAI sends them: each call's id and name as soon as the name
     is written, then its arguments in pieces that add up to the final JSON."""
@@ -101,9 +145,12 @@ def test_tool_calls_stream_as_written(choice, text):
     deltas += last
     calls = _reassemble(deltas)
     assert reason == "tool_calls" and name_seen_at is not None and name_seen_at < len(text) - 10
-    assert sum(1 for d in deltas if "tool_calls" in d and "id" not in d["tool_calls"][0]) > 3   # in pieces
-    want = [("add", {"a": 1, "b": 2}), ("get_time", {"tz": "UTC"})] if choice == "required" else \
-        [("get_time", {"tz": "JST"})]
+    assert sum(1 for d in deltas if "tool_calls" in d and "id" not in d["tool_calls"][0]) > 3  # in pieces
+    want = (
+        [("add", {"a": 1, "b": 2}), ("get_time", {"tz": "UTC"})]
+        if choice == "required"
+        else [("get_time", {"tz": "JST"})]
+    )
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == want
     assert "".join(d.get("content", "") for d in deltas) == ("" if choice == "required" else "Sure. ")
 
@@ -111,8 +158,11 @@ def test_tool_calls_stream_as_written(choice, text):
 def test_required_schema_accepts_exactly_the_calls():
     schema = tool_call_schema(parse_tools({"tools": TOOLS, "tool_choice": "required"}))
     jsonschema.validate({"name": "add", "arguments": {"a": 1, "b": 2}}, schema)
-    for bad in ({"name": "add", "arguments": {"a": 1, "b": 200}}, {"name": "nope", "arguments": {}},
-                {"name": "get_time", "arguments": {"tz": "UTC"}, "extra": 1}):
+    for bad in (
+        {"name": "add", "arguments": {"a": 1, "b": 200}},
+        {"name": "nope", "arguments": {}},
+        {"name": "get_time", "arguments": {"tz": "UTC"}, "extra": 1},
+    ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     parallel = tool_call_schema(parse_tools({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": True}))
@@ -123,6 +173,7 @@ def test_required_schema_accepts_exactly_the_calls():
 
 def _tag_matcher(tokenizer, fmt):
     from plait.grammar import GrammarSpec, make_backend
+
     backend = make_backend("auto", tokenizer, 49152)
     return backend.compile(GrammarSpec.from_structural_tag(fmt)).matcher()
 
@@ -137,16 +188,22 @@ def test_auto_mode_constrains_calls_once_opened(smollm2_path):
     from transformers import AutoTokenizer
 
     from plait.runtime.server.openai_tools import tool_call_tags
+
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     fmt = {"type": "structural_tag", "format": tool_call_tags(parse_tools({"tools": TOOLS}))}
     call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
     m = _tag_matcher(tok, fmt)
     assert _walk(m, tok, "Let me add them. " + call + " And again: " + call) and m.can_end()
-    for bad in ('<tool_call>\n{"name": "rm", ', '<tool_call>\n{"name": "add", "arguments": {"a": "x"',
-                '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 200}'):
+    for bad in (
+        '<tool_call>\n{"name": "rm", ',
+        '<tool_call>\n{"name": "add", "arguments": {"a": "x"',
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 200}',
+    ):
         assert not _walk(_tag_matcher(tok, fmt), tok, bad), bad
-    one = {"type": "structural_tag",
-           "format": tool_call_tags(parse_tools({"tools": TOOLS, "parallel_tool_calls": False}))}
+    one = {
+        "type": "structural_tag",
+        "format": tool_call_tags(parse_tools({"tools": TOOLS, "parallel_tool_calls": False})),
+    }
     m = _tag_matcher(tok, one)
     assert _walk(m, tok, "Sure. " + call) and m.can_end() and not _walk(m, tok, " more")
 
@@ -155,31 +212,48 @@ NATIVE_TEMPLATE = (
     "{% if tools %}TOOLS:{{ tools | map(attribute='function') | map(attribute='name') | join(',') }}\n{% endif %}"
     "{% for m in messages %}{{ m.role }}:{{ m.content }}"
     "{% for c in m.tool_calls or [] %}[{{ c.id }} {{ c.function.name }} {{ c.function.arguments.city }}]{% endfor %}"
-    "{% if m.tool_call_id %}<{{ m.tool_call_id }} {{ m.name }}>{% endif %}{{ '\\n' }}{% endfor %}")
-HISTORY = [*ASK_WEATHER,
-           {"role": "assistant", "content": None, "tool_calls": [
-               {"id": "call_abc", "type": "function",
-                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-           {"role": "tool", "tool_call_id": "call_abc", "content": '{"temperature": 21, "sky": "sunny"}'}]
+    "{% if m.tool_call_id %}<{{ m.tool_call_id }} {{ m.name }}>{% endif %}{{ '\\n' }}{% endfor %}"
+)
+HISTORY = [
+    *ASK_WEATHER,
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_abc",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_abc", "content": '{"temperature": 21, "sky": "sunny"}'},
+]
 
 
 def test_render_tools_with_and_without_template_support(smollm2_path):
     from transformers import AutoTokenizer
 
     from plait.runtime.server.openai_tools import render_chat
+
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     # SmolLM2's template knows no tools: a system block, calls as <tool_call> text, results as a user turn
     text = tok.decode(render_chat(tok, HISTORY, TOOLS))
     assert text.startswith("<|im_start|>system\n# Tools") and '"name": "add"' in text
-    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
-            '"unit": "celsius"}}\n</tool_call><|im_end|>') in text
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+        '"unit": "celsius"}}\n</tool_call><|im_end|>'
+    ) in text
     assert '<|im_start|>user\n<tool_response>\n{"temperature": 21, "sky": "sunny"}\n</tool_response>' in text
     # a template that renders tools gets them, the calls (arguments parsed) and the results natively
     tok.chat_template = NATIVE_TEMPLATE
     text = tok.decode(render_chat(tok, HISTORY, TOOLS))
-    assert text.splitlines() == ["TOOLS:get_weather,add,get_time", "user:What is the weather like in Paris today?",
-                                 "assistant:[call_abc get_weather Paris]",
-                                 'tool:{"temperature": 21, "sky": "sunny"}<call_abc get_weather>']
+    assert text.splitlines() == [
+        "TOOLS:get_weather,add,get_time",
+        "user:What is the weather like in Paris today?",
+        "assistant:[call_abc get_weather Paris]",
+        'tool:{"temperature": 21, "sky": "sunny"}<call_abc get_weather>',
+    ]
 
 
 # --- server -----------------------------------------------------------------------------------
@@ -213,10 +287,15 @@ def assert_call(call, names=PARAMS) -> None:
 # --- structured output ------------------------------------------------------------------------
 @pytest.mark.integration
 def test_response_format_json_schema(oai):
-    out = chat(oai, [{"role": "user", "content": "Describe a person as JSON with name, age and city."}],
-               response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
-                                                                        "strict": True}},
-               temperature=1.0, seed=7, n=2, max_tokens=120)
+    out = chat(
+        oai,
+        [{"role": "user", "content": "Describe a person as JSON with name, age and city."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+        temperature=1.0,
+        seed=7,
+        n=2,
+        max_tokens=120,
+    )
     assert len(out.choices) == 2
     for c in out.choices:
         assert c.finish_reason == "stop", c
@@ -225,8 +304,13 @@ def test_response_format_json_schema(oai):
 
 @pytest.mark.integration
 def test_response_format_json_object(oai):
-    out = chat(oai, [{"role": "user", "content": "Give me a JSON object with a field 'answer' set to 42."}],
-               response_format={"type": "json_object"}, temperature=0, max_tokens=120)
+    out = chat(
+        oai,
+        [{"role": "user", "content": "Give me a JSON object with a field 'answer' set to 42."}],
+        response_format={"type": "json_object"},
+        temperature=0,
+        max_tokens=120,
+    )
     assert out.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(out.choices[0].message.content), dict)
 
@@ -235,8 +319,14 @@ def test_response_format_json_object(oai):
 def test_json_object_with_a_schema(oai):
     """llama.cpp's form (what instructor's JSON_SCHEMA mode sends): the schema binds, not just "an
     object"; and json_object without one still gives an object."""
-    out = chat(oai, [{"role": "user", "content": "Describe a person as JSON."}],
-               response_format={"type": "json_object", "schema": PERSON}, temperature=1.0, seed=5, max_tokens=120)
+    out = chat(
+        oai,
+        [{"role": "user", "content": "Describe a person as JSON."}],
+        response_format={"type": "json_object", "schema": PERSON},
+        temperature=1.0,
+        seed=5,
+        max_tokens=120,
+    )
     assert out.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
 
@@ -256,9 +346,14 @@ def test_an_approximated_schema_never_returns_an_invalid_document(oai):
         list(chat(oai, ask, response_format=fmt, temperature=0, max_tokens=16, stream=True))
     with pytest.raises(openai.InternalServerError, match=r"'oneOf'.*\(3 documents sampled, none valid\)"):
         chat(oai, ask, response_format=fmt, temperature=1.0, seed=3, max_tokens=16)
-    ok = {"oneOf": [{"type": "integer", "maximum": -1}, {"type": "integer", "minimum": 0}]}   # disjoint
-    out = chat(oai, ask, temperature=0, max_tokens=16,
-               response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": ok}})
+    ok = {"oneOf": [{"type": "integer", "maximum": -1}, {"type": "integer", "minimum": 0}]}  # disjoint
+    out = chat(
+        oai,
+        ask,
+        temperature=0,
+        max_tokens=16,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": ok}},
+    )
     assert out.choices[0].finish_reason == "stop" and isinstance(json.loads(out.choices[0].message.content), int)
 
 
@@ -267,18 +362,23 @@ def test_documents_finish_within_max_tokens(oai):
     """A free string and a free number at temperature 0.8 with a tight max_tokens: the length
     guards close the document in budget ("stop", valid), and json_max_string_length binds per
     request."""
-    notes = {"type": "object", "properties": {"notes": {"type": "string"}, "score": {"type": "number"}},
-             "required": ["notes", "score"], "additionalProperties": False}
+    notes = {
+        "type": "object",
+        "properties": {"notes": {"type": "string"}, "score": {"type": "number"}},
+        "required": ["notes", "score"],
+        "additionalProperties": False,
+    }
     fmt = {"type": "json_schema", "json_schema": {"name": "notes", "schema": notes}}
     ask = [{"role": "user", "content": "Write long notes about Paris, then score it."}]
     for seed in range(3):
         out = chat(oai, ask, response_format=fmt, temperature=0.8, seed=seed, max_tokens=24)
         assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
         jsonschema.validate(json.loads(out.choices[0].message.content), notes)
-    out = chat(oai, ask, response_format=fmt, temperature=0.8, seed=0, max_tokens=200,
-               extra_body={"json_max_string_length": 6})
+    out = chat(
+        oai, ask, response_format=fmt, temperature=0.8, seed=0, max_tokens=200, extra_body={"json_max_string_length": 6}
+    )
     doc = json.loads(out.choices[0].message.content)
-    assert len(doc["notes"]) <= 6 + 16          # the bound, plus at most the closing token's characters
+    assert len(doc["notes"]) <= 6 + 16  # the bound, plus at most the closing token's characters
 
 
 @pytest.mark.integration
@@ -287,33 +387,61 @@ def test_vllm_structured_outputs(oai):
     ask = [{"role": "user", "content": "Describe a person as JSON."}]
     out = chat(oai, ask, temperature=1.0, seed=2, max_tokens=120, extra_body={"structured_outputs": {"json": PERSON}})
     jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
-    out = chat(oai, ask, temperature=1.0, seed=2, max_tokens=8,
-               extra_body={"structured_outputs": {"choice": ["alpha", "beta"], "disable_fallback": True}})
+    out = chat(
+        oai,
+        ask,
+        temperature=1.0,
+        seed=2,
+        max_tokens=8,
+        extra_body={"structured_outputs": {"choice": ["alpha", "beta"], "disable_fallback": True}},
+    )
     assert out.choices[0].message.content in ("alpha", "beta")
-    out = chat(oai, ask, temperature=1.0, seed=2, max_tokens=12, extra_body={"structured_outputs": {"regex": "[a-c]{3}"}})
+    out = chat(
+        oai, ask, temperature=1.0, seed=2, max_tokens=12, extra_body={"structured_outputs": {"regex": "[a-c]{3}"}}
+    )
     assert re.fullmatch("[a-c]{3}", out.choices[0].message.content)
-    out = chat(oai, ask, temperature=1.0, seed=2, max_tokens=12,
-               extra_body={"structured_outputs": {"grammar": 'root ::= "x" ("y" | "z")'}})
+    out = chat(
+        oai,
+        ask,
+        temperature=1.0,
+        seed=2,
+        max_tokens=12,
+        extra_body={"structured_outputs": {"grammar": 'root ::= "x" ("y" | "z")'}},
+    )
     assert out.choices[0].message.content in ("xy", "xz")
 
 
 @pytest.mark.integration
 def test_regex_and_choice(oai):
     pattern = r"[0-9]{3}-[a-z]{2,5}"
-    out = oai.completions.create(model="smollm2", prompt="A product code:", max_tokens=16, temperature=1.0,
-                                 seed=3, extra_body={"regex": pattern})
+    out = oai.completions.create(
+        model="smollm2", prompt="A product code:", max_tokens=16, temperature=1.0, seed=3, extra_body={"regex": pattern}
+    )
     assert re.fullmatch(pattern, out.choices[0].text), out.choices[0].text
     options = ["yes", "no", "maybe"]
-    out = chat(oai, [{"role": "user", "content": "Is Paris in France?"}], temperature=1.0, seed=1, n=2,
-               max_tokens=8, extra_body={"choice": options})
+    out = chat(
+        oai,
+        [{"role": "user", "content": "Is Paris in France?"}],
+        temperature=1.0,
+        seed=1,
+        n=2,
+        max_tokens=8,
+        extra_body={"choice": options},
+    )
     assert all(c.message.content in options for c in out.choices)
 
 
 @pytest.mark.integration
 def test_stream_response_format(oai):
-    stream = chat(oai, [{"role": "user", "content": "Describe a person as JSON."}], stream=True,
-                  response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
-                  temperature=1.0, seed=11, max_tokens=120)
+    stream = chat(
+        oai,
+        [{"role": "user", "content": "Describe a person as JSON."}],
+        stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+        temperature=1.0,
+        seed=11,
+        max_tokens=120,
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
@@ -332,8 +460,15 @@ def test_tool_choice_required(oai):
 
 @pytest.mark.integration
 def test_tool_choice_named(oai):
-    out = chat(oai, [{"role": "user", "content": "What is 2 plus 3?"}], tools=TOOLS, temperature=1.0, seed=2,
-               tool_choice={"type": "function", "function": {"name": "add"}}, max_tokens=60)
+    out = chat(
+        oai,
+        [{"role": "user", "content": "What is 2 plus 3?"}],
+        tools=TOOLS,
+        temperature=1.0,
+        seed=2,
+        tool_choice={"type": "function", "function": {"name": "add"}},
+        max_tokens=60,
+    )
     c = out.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.content is None
     assert [t.function.name for t in c.message.tool_calls] == ["add"]
@@ -346,7 +481,7 @@ def test_tool_choice_auto(oai):
     msg = out.choices[0].message
     if msg.tool_calls:
         assert out.choices[0].finish_reason == "tool_calls"
-        for call in msg.tool_calls:     # held to the tool's schema once <tool_call> opens
+        for call in msg.tool_calls:  # held to the tool's schema once <tool_call> opens
             jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
     else:
         assert isinstance(msg.content, str) and out.choices[0].finish_reason in ("stop", "length")
@@ -358,8 +493,16 @@ def test_auto_tools_with_a_response_format(oai):
     never free text."""
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
     for seed in range(3):
-        out = chat(oai, ASK_WEATHER, tools=TOOLS, tool_choice="auto", response_format=fmt, temperature=1.0,
-                   seed=seed, max_tokens=120)
+        out = chat(
+            oai,
+            ASK_WEATHER,
+            tools=TOOLS,
+            tool_choice="auto",
+            response_format=fmt,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=120,
+        )
         msg = out.choices[0].message
         if msg.tool_calls:
             for call in msg.tool_calls:
@@ -372,14 +515,32 @@ def test_auto_tools_with_a_response_format(oai):
 def test_structural_tag_response_format(oai):
     """response_format structural_tag (xgrammar's format, as vLLM and SGLang take it) and the older
     structures / triggers form."""
-    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<city>"], "at_least_one": True,
-           "stop_after_first": True, "tags": [{"type": "tag", "begin": "<city>", "end": "</city>",
-                                               "content": {"type": "json_schema", "json_schema": PERSON}}]}}
-    legacy = {"type": "structural_tag", "triggers": ["<city>"],
-              "structures": [{"begin": "<city>", "schema": PERSON, "end": "</city>"}]}
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "triggered_tags",
+            "triggers": ["<city>"],
+            "at_least_one": True,
+            "stop_after_first": True,
+            "tags": [
+                {
+                    "type": "tag",
+                    "begin": "<city>",
+                    "end": "</city>",
+                    "content": {"type": "json_schema", "json_schema": PERSON},
+                }
+            ],
+        },
+    }
+    legacy = {
+        "type": "structural_tag",
+        "triggers": ["<city>"],
+        "structures": [{"begin": "<city>", "schema": PERSON, "end": "</city>"}],
+    }
     for fmt in (tag, legacy):
-        out = chat(oai, [{"role": "user", "content": "Describe a person."}], response_format=fmt, temperature=0,
-                   max_tokens=150)
+        out = chat(
+            oai, [{"role": "user", "content": "Describe a person."}], response_format=fmt, temperature=0, max_tokens=150
+        )
         text = out.choices[0].message.content
         if fmt is tag or "<city>" in text:
             inner = text.split("<city>", 1)[1].split("</city>", 1)[0]
@@ -403,10 +564,20 @@ def test_stream_tool_calls(oai):
         assert reasons[-1] == "tool_calls"
         return list(calls.values())
 
-    named = reassemble(chat(oai, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                            stream=True, temperature=1.0, seed=4, max_tokens=100))
-    required = reassemble(chat(oai, tools=TOOLS, tool_choice="required", stream=True, temperature=1.0, seed=9,
-                               max_tokens=120))
+    named = reassemble(
+        chat(
+            oai,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            stream=True,
+            temperature=1.0,
+            seed=4,
+            max_tokens=100,
+        )
+    )
+    required = reassemble(
+        chat(oai, tools=TOOLS, tool_choice="required", stream=True, temperature=1.0, seed=9, max_tokens=120)
+    )
     assert [c["name"] for c in named] == ["get_weather"] and len(required) == 1
     for call in named + required:
         assert call["id"].startswith("call_")
@@ -428,39 +599,74 @@ def test_tool_history_accepted(oai):
 def test_errors(oai):
     bad_request(lambda: chat(oai, max_tokens=4, extra_body={"regex": "(unclosed"}), "invalid grammar")
     bad_request(lambda: list(chat(oai, max_tokens=4, stream=True, extra_body={"regex": "[z-a]"})), "invalid grammar")
-    bad_request(lambda: oai.completions.create(model="smollm2", prompt="x", max_tokens=4,
-                                               extra_body={"ebnf": "root ::= nothing_defined"}), "invalid grammar")
+    bad_request(
+        lambda: oai.completions.create(
+            model="smollm2", prompt="x", max_tokens=4, extra_body={"ebnf": "root ::= nothing_defined"}
+        ),
+        "invalid grammar",
+    )
     bad_request(lambda: chat(oai, max_tokens=4, extra_body={"json_schema": "{not json"}), "json_schema")
-    bad_request(lambda: chat(oai, max_tokens=4, response_format={
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 12}}}), "schema")
+    bad_request(
+        lambda: chat(
+            oai,
+            max_tokens=4,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 12}}},
+        ),
+        "schema",
+    )
     bad_request(lambda: chat(oai, max_tokens=4, response_format={"type": "yaml"}), "response_format")
-    bad_request(lambda: chat(oai, max_tokens=4, response_format={"type": "json_object"},
-                             extra_body={"regex": "a+"}), "response_format", "regex")
+    bad_request(
+        lambda: chat(oai, max_tokens=4, response_format={"type": "json_object"}, extra_body={"regex": "a+"}),
+        "response_format",
+        "regex",
+    )
     bad_request(lambda: chat(oai, max_tokens=4, extra_body={"regex": "a+", "choice": ["a"]}), "at most one")
     # constraint-like fields plait does not enforce: named, never silently ignored
-    bad_request(lambda: chat(oai, max_tokens=4, extra_body={"structured_outputs": {"structural_tag": "{}"}}),
-                "structured_outputs.structural_tag")
+    bad_request(
+        lambda: chat(oai, max_tokens=4, extra_body={"structured_outputs": {"structural_tag": "{}"}}),
+        "structured_outputs.structural_tag",
+    )
     bad_request(lambda: chat(oai, max_tokens=4, extra_body={"structural_tag": {"structures": []}}), "structural_tag")
-    bad_request(lambda: chat(oai, max_tokens=4, extra_body={"guided_whitespace_pattern": " "}),
-                "guided_whitespace_pattern")
-    bad_request(lambda: chat(oai, max_tokens=4, extra_body={"structured_outputs": {"regex": "a", "choice": ["a"]}}),
-                "at most one")
-    bad_request(lambda: chat(oai, max_tokens=4, response_format={"type": "json_object", "schema": {"type": 12}}),
-                "response_format.schema")
-    bad_request(lambda: chat(oai, max_tokens=4, tools=TOOLS, tool_choice="required",
-                             response_format={"type": "json_object"}), "at most one")
-    bad_request(lambda: chat(oai, max_tokens=4, tools=TOOLS,
-                             tool_choice={"type": "function", "function": {"name": "launch"}}), "launch")
+    bad_request(
+        lambda: chat(oai, max_tokens=4, extra_body={"guided_whitespace_pattern": " "}), "guided_whitespace_pattern"
+    )
+    bad_request(
+        lambda: chat(oai, max_tokens=4, extra_body={"structured_outputs": {"regex": "a", "choice": ["a"]}}),
+        "at most one",
+    )
+    bad_request(
+        lambda: chat(oai, max_tokens=4, response_format={"type": "json_object", "schema": {"type": 12}}),
+        "response_format.schema",
+    )
+    bad_request(
+        lambda: chat(oai, max_tokens=4, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}),
+        "at most one",
+    )
+    bad_request(
+        lambda: chat(oai, max_tokens=4, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "launch"}}),
+        "launch",
+    )
     bad_request(lambda: chat(oai, max_tokens=4, tool_choice="required"), "tools")
-    bad_request(lambda: chat(oai, max_tokens=4, tools=[{"type": "function", "function": {"name": "bad name!"}}]),
-                "name")
-    bad_request(lambda: chat(oai, max_tokens=4, tools=[{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "object", "properties": 3}}}]), "parameters")
+    bad_request(
+        lambda: chat(oai, max_tokens=4, tools=[{"type": "function", "function": {"name": "bad name!"}}]), "name"
+    )
+    bad_request(
+        lambda: chat(
+            oai,
+            max_tokens=4,
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 3}}}],
+        ),
+        "parameters",
+    )
     bad_request(lambda: chat(oai, max_tokens=4, tools=[WEATHER, WEATHER]), "unique")
     bad_request(lambda: chat(oai, max_tokens=4, tool_choice="sometimes", tools=TOOLS), "tool_choice")
-    bad_request(lambda: chat(oai, [{"role": "assistant", "tool_calls": [{"type": "function", "function": {}}]}],
-                             max_tokens=4), "tool_calls")
-    bad_request(lambda: oai.completions.create(model="smollm2", prompt="x", max_tokens=4,
-                                               extra_body={"tools": TOOLS}), "chat/completions")
+    bad_request(
+        lambda: chat(oai, [{"role": "assistant", "tool_calls": [{"type": "function", "function": {}}]}], max_tokens=4),
+        "tool_calls",
+    )
+    bad_request(
+        lambda: oai.completions.create(model="smollm2", prompt="x", max_tokens=4, extra_body={"tools": TOOLS}),
+        "chat/completions",
+    )
     # the server is still fine
     assert chat(oai, max_tokens=2, temperature=0).choices[0].finish_reason in ("stop", "length")

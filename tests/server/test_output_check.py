@@ -2,6 +2,7 @@
 does not validate never comes back as "stop" — the request ends as an abort the HTTP layer answers
 with a 500 naming the keyword; a valid one, a truncated one and one cut by the caller's own stop
 string pass through as they are."""
+
 from __future__ import annotations
 
 import json
@@ -13,16 +14,21 @@ from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.server.http_common import abort_error
 
 # keywords xgrammar approximates (the auto backend's fallback where llguidance refuses a schema)
-SCHEMA = {"type": "object",
-          "properties": {"n": {"oneOf": [{"type": "integer"}, {"minimum": 0}]},
-                         "tag": {"allOf": [{"type": "string"}, {"not": {"const": "x"}}]}},
-          "required": ["n"],
-          "additionalProperties": {"type": "number"}}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "n": {"oneOf": [{"type": "integer"}, {"minimum": 0}]},
+        "tag": {"allOf": [{"type": "string"}, {"not": {"const": "x"}}]},
+    },
+    "required": ["n"],
+    "additionalProperties": {"type": "number"},
+}
 
 
 def finish(text: str, reason: dict, schema=SCHEMA, stop=None) -> dict:
-    state = RequestState("r", SamplingParams(json_schema=schema, stop=stop), tokenizer=None,
-                         return_text_in_logprobs=False)
+    state = RequestState(
+        "r", SamplingParams(json_schema=schema, stop=stop), tokenizer=None, return_text_in_logprobs=False
+    )
     state.update(TokenOutput(rid="r", new_ids=[1, 2], finish_reason=reason, text_delta=text))
     return state.finish_reason
 
@@ -30,10 +36,12 @@ def finish(text: str, reason: dict, schema=SCHEMA, stop=None) -> dict:
 def test_schema_violation_names_the_keyword_and_where():
     text = json.dumps(SCHEMA)
     assert schema_violation(text, '{"n": -2, "tag": "y", "extra": 1.5}') is None
-    for doc, keyword, where in (('{"n": 3}', "oneOf", "['n']"),               # valid under both branches
-                                ('{"n": -1, "tag": "x"}', "not", "['tag']"),
-                                ('{"n": -1, "": "s"}', "type", "['']"),       # a type under the empty key
-                                ('{"tag": "y"}', "required", "the root")):
+    for doc, keyword, where in (
+        ('{"n": 3}', "oneOf", "['n']"),  # valid under both branches
+        ('{"n": -1, "tag": "x"}', "not", "['tag']"),
+        ('{"n": -1, "": "s"}', "type", "['']"),  # a type under the empty key
+        ('{"tag": "y"}', "required", "the root"),
+    ):
         why = schema_violation(text, doc)
         assert why.startswith(INVALID_OUTPUT) and f"'{keyword}'" in why and where in why, why
     assert "not JSON" in schema_violation(text, '{"n": ')
@@ -64,15 +72,23 @@ def test_an_invalid_document_is_sampled_again_while_attempts_remain():
     out the abort says how many documents were sampled."""
     state = RequestState("r", SamplingParams(json_schema=SCHEMA), tokenizer=None, return_text_in_logprobs=False)
     state.resamples_left = 1
-    state.update(TokenOutput(rid="r", new_ids=[1, 2], finish_reason={"type": "stop", "matched": 2}, text_delta='{"n": 3}'))
+    state.update(
+        TokenOutput(rid="r", new_ids=[1, 2], finish_reason={"type": "stop", "matched": 2}, text_delta='{"n": 3}')
+    )
     assert not state.finished and state.resample and state.output_ids == [] and state.text() == ""
-    state.resample = False                      # (the engine sends the request again)
-    state.update(TokenOutput(rid="r", new_ids=[5], finish_reason={"type": "stop", "matched": 2}, text_delta='{"n": -3}'))
+    state.resample = False  # (the engine sends the request again)
+    state.update(
+        TokenOutput(rid="r", new_ids=[5], finish_reason={"type": "stop", "matched": 2}, text_delta='{"n": -3}')
+    )
     assert state.finish_reason == {"type": "stop", "matched": 2} and state.text() == '{"n": -3}'
     assert state.result()["meta_info"]["json_resampled"] == 1 and state.output_ids == [5]
 
     state = RequestState("r", SamplingParams(json_schema=SCHEMA), tokenizer=None, return_text_in_logprobs=False)
     state.resamples_left = 1
     for _ in range(2):
-        state.update(TokenOutput(rid="r", new_ids=[1], finish_reason={"type": "stop", "matched": 2}, text_delta='{"n": 3}'))
-    assert state.finish_reason["type"] == "abort" and "(2 documents sampled, none valid)" in state.finish_reason["message"]
+        state.update(
+            TokenOutput(rid="r", new_ids=[1], finish_reason={"type": "stop", "matched": 2}, text_delta='{"n": 3}')
+        )
+    assert (
+        state.finish_reason["type"] == "abort" and "(2 documents sampled, none valid)" in state.finish_reason["message"]
+    )

@@ -1,6 +1,7 @@
 """--reasoning-parser: a chat answer's <think> section goes to reasoning_content, whole and
 streamed (the parser alone, every split of the text; and through the server with outputs forced by
 a regex on a tiny Qwen3)."""
+
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ from conftest import serve
 
 from plait.runtime.server.reasoning import ReasoningStream, split_reasoning
 
-CASES = [   # parser, output, (reasoning, content)
+CASES = [  # parser, output, (reasoning, content)
     ("qwen3", "<think>\nLet me see.\n</think>\n\nParis.", ("Let me see.", "Paris.")),
     ("qwen3", "Paris.", (None, "Paris.")),
     ("qwen3", "  <think>cut before the end", ("cut before the end", "")),
@@ -45,6 +46,7 @@ def test_streamed_in_any_pieces_equals_the_whole(parser, text, expected):
 
 def test_unknown_parser_is_refused():
     import plait
+
     with pytest.raises(ValueError, match="reasoning_parser must be one of qwen3, deepseek-r1"):
         plait.Engine(model="smollm2", reasoning_parser="nope")
 
@@ -56,6 +58,7 @@ FORCED = "<think>\nThe user greets me.\n</think>\n\nHello!"
 def base(tiny_model_dirs):
     import plait
     from plait.runtime.server.http_server import create_app
+
     with plait.Engine(model=tiny_model_dirs["qwen3"], reasoning_parser="qwen3", max_total_tokens=2048) as eng:
         with serve(create_app(eng, served_model_name="tiny")) as url:
             yield url
@@ -63,8 +66,15 @@ def base(tiny_model_dirs):
 
 def _body(**extra):
     import re
-    return {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64, "temperature": 0,
-            "regex": re.escape(FORCED), **extra}
+
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 64,
+        "temperature": 0,
+        "regex": re.escape(FORCED),
+        **extra,
+    }
 
 
 def test_chat_answer_has_reasoning_content(base):
@@ -72,7 +82,9 @@ def test_chat_answer_has_reasoning_content(base):
     assert r.status_code == 200, r.text
     msg = r.json()["choices"][0]["message"]
     assert (msg["reasoning_content"], msg["content"]) == ("The user greets me.", "Hello!")
-    msg = httpx.post(f"{base}/v1/chat/completions", json=_body(separate_reasoning=False)).json()["choices"][0]["message"]
+    msg = httpx.post(f"{base}/v1/chat/completions", json=_body(separate_reasoning=False)).json()["choices"][0][
+        "message"
+    ]
     assert msg["content"] == FORCED and "reasoning_content" not in msg
 
 

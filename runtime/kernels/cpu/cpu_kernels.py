@@ -27,6 +27,7 @@ compiler), off x86-64 (unless `PLAIT_CPU_KERNELS=1`), on other devices, or with
 `PLAIT_CPU_KERNELS=0`, every function here falls back to the eager PyTorch ops that compute the same
 thing — the reference the kernels are tested against. Measured gains: docs/performance.md.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,7 +53,7 @@ _lock = threading.Lock()
 # ok: the active build loaded; ns: its op namespace; error: why it is not; builds: march -> ns or error
 _state: dict[str, object] = {"builds": {}}
 _DTYPES = (torch.float32, torch.bfloat16)
-_KV_DTYPES = _DTYPES + FP8_DTYPES   # what the pool and the mirror may hold
+_KV_DTYPES = _DTYPES + FP8_DTYPES  # what the pool and the mirror may hold
 
 # The active build's ops (torch.ops.<namespace>); set by load() / use()
 ops = None
@@ -132,13 +133,20 @@ def build_spec(march: str) -> tuple[str, str, list[str]]:
 def _build(march: str) -> str:
     """Compile (once per build name) and load the kernels for `march`; returns their op namespace."""
     from torch.utils import cpp_extension
+
     name, ns, cflags = build_spec(march)
     sources = sorted(_CSRC.glob("*.cpp"))
     cpp_extension.load(
-        name=name, sources=[str(f) for f in sources], is_python_module=False,
+        name=name,
+        sources=[str(f) for f in sources],
+        is_python_module=False,
         # -fopenmp: at::parallel_for is inline and runs serially without it; the library then binds
         # to the libgomp.so.1 torch already loaded (one thread pool)
-        extra_cflags=cflags, extra_ldflags=["-fopenmp"], extra_include_paths=[str(_CSRC)], verbose=False)
+        extra_cflags=cflags,
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(_CSRC)],
+        verbose=False,
+    )
     if not hasattr(getattr(torch.ops, ns), "decode_attention"):
         raise RuntimeError(f"the {march} build registered no ops")
     return ns
@@ -151,7 +159,10 @@ def _wanted() -> tuple[bool, str]:
     if flag in ("0", "false", "off", "no"):
         return False, "disabled (PLAIT_CPU_KERNELS=0)"
     if flag in ("auto", "") and platform.machine() not in ("x86_64", "AMD64"):
-        return False, f"not built on {platform.machine()} (only x86-64's paths are tested; PLAIT_CPU_KERNELS=1 builds them)"
+        return (
+            False,
+            f"not built on {platform.machine()} (only x86-64's paths are tested; PLAIT_CPU_KERNELS=1 builds them)",
+        )
     return True, ""
 
 
@@ -169,7 +180,7 @@ def build(march: str) -> str | None:
                     builds[march] = _build(march)
                 except Unavailable as e:
                     builds[march] = e
-                except Exception as e:   # a failed build: the eager ops still work
+                except Exception as e:  # a failed build: the eager ops still work
                     builds[march] = RuntimeError(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1]}")
         got = builds[march]
         return got if isinstance(got, str) else None
@@ -202,7 +213,8 @@ def load() -> bool:
             if ns is None:
                 why = build_error(march)
                 (logger.info if isinstance(why, Unavailable) else logger.warning)(
-                    "fused CPU kernels unavailable (%s); using eager PyTorch ops", why)
+                    "fused CPU kernels unavailable (%s); using eager PyTorch ops", why
+                )
     return bool(_state["ok"])
 
 
@@ -228,7 +240,7 @@ def plan_class():
 
 def enabled(x: torch.Tensor) -> bool:
     """Whether `x`'s op can take the fused kernel: a CPU float32/bfloat16 tensor, kernels built."""
-    return x.is_cpu and x.dtype in _DTYPES and _state.get("ok", False) is True   # ~270 calls a step
+    return x.is_cpu and x.dtype in _DTYPES and _state.get("ok", False) is True  # ~270 calls a step
 
 
 def kv_enabled(pool: torch.Tensor) -> bool:
@@ -266,15 +278,21 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, hea
     if enabled(x) and x.stride(-1) == 1:
         ops.rope_(x, cos, sin, heads, head_dim)
         return
-    part = x[:, :heads * head_dim].view(-1, heads, head_dim)
+    part = x[:, : heads * head_dim].view(-1, heads, head_dim)
     c, s = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
     half = head_dim // 2
     rotated = torch.cat((-part[..., half:], part[..., :half]), dim=-1)
     part.copy_(part * c + rotated * s)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
-                     scale: float, rows: torch.Tensor | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One query token per row: q `[n, H, D]` (float32 or bfloat16, any strides), k/v
     `[>=n, KVH, >=L, D]` (views allowed; rows past n are ignored), row b attending to its first
     `lens[b]` keys (`lens` may be longer than n); with `rows` (int64 `[n]`), row b attends K/V row
@@ -291,7 +309,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: to
     keys, values = k[:, :, :length].float(), v[:, :, :length].float()
     mask = torch.zeros((n, 1, 1, length))
     mask.masked_fill_(torch.arange(length)[None, None, None, :] >= lens[:, None, None, None], float("-inf"))
-    q4 = q.float().reshape(n, k.shape[1], heads // k.shape[1], dim)   # GQA: a KV head's queries as its query length
+    q4 = q.float().reshape(n, k.shape[1], heads // k.shape[1], dim)  # GQA: a KV head's queries as its query length
     out = F.scaled_dot_product_attention(q4, keys, values, attn_mask=mask, scale=scale)
     return out.view(n, heads, dim).to(q.dtype)
 
@@ -305,9 +323,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def kv_write_(pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              mirror_k: torch.Tensor | None = None, mirror_v: torch.Tensor | None = None,
-              mirror_at: torch.Tensor | None = None) -> None:
+def kv_write_(
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mirror_k: torch.Tensor | None = None,
+    mirror_v: torch.Tensor | None = None,
+    mirror_at: torch.Tensor | None = None,
+) -> None:
     """Write this step's k/v `[T, KVH, D]` into pool slots `slots` (cast to the pool's dtype) and,
     with `mirror_at`, also into the contiguous mirror buffers viewed as rows of D: token t's head h
     to row `mirror_at[t * KVH + h]`. One op instead of six."""
@@ -325,8 +350,14 @@ def kv_write_(pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor, k
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=-1)` of float32 logits `[rows, n]` (the first index of each row's maximum, NaN
     counting as the maximum), ~5x faster than torch's on the CPU."""
-    if _state.get("ok", False) is True and x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 \
-            and x.is_contiguous() and 0 < x.shape[1] < 2 ** 31:
+    if (
+        _state.get("ok", False) is True
+        and x.is_cpu
+        and x.dtype == torch.float32
+        and x.dim() == 2
+        and x.is_contiguous()
+        and 0 < x.shape[1] < 2**31
+    ):
         return ops.argmax_rows(x)
     return x.argmax(dim=-1)
 
@@ -388,8 +419,7 @@ def small_gemm_available(dtype: torch.dtype) -> bool:
     """Whether `ops.small_gemm` (any number of rows on weights packed by `pack_panels`)
     runs here for `dtype`: kernels built (`load()` called) for a CPU with AVX512BW/VL (and AVX512-BF16 for
     bfloat16) or with AVX2."""
-    return (_state.get("ok", False) is True and dtype in _DTYPES
-            and bool(ops.has_small_gemm(dtype == torch.bfloat16)))
+    return _state.get("ok", False) is True and dtype in _DTYPES and bool(ops.has_small_gemm(dtype == torch.bfloat16))
 
 
 def _bf16_k_pairs() -> bool:
@@ -425,10 +455,10 @@ def int4_gemv_pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) 
         raise ValueError(f"int4_gemv_pack: N ({n}) must be a multiple of 16 and K ({k}) of 32")
     g = k // 32
     # k = 32 g + 4 s + 2 half + i: byte (s, row j, i) holds half 0 in its low nibble, half 1 in its high
-    q6 = q.reshape(n // 16, 16, g, 8, 2, 2).permute(0, 2, 3, 1, 5, 4)          # [blocks, g, s, j, i, half]
+    q6 = q.reshape(n // 16, 16, g, 8, 2, 2).permute(0, 2, 3, 1, 5, 4)  # [blocks, g, s, j, i, half]
     codes = (q6[..., 0] | (q6[..., 1] << 4)).reshape(n // 16, g, 256)
 
-    def per_group(t: torch.Tensor) -> torch.Tensor:   # [N, G] -> [blocks, G, 32 bytes] of fp16
+    def per_group(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [blocks, G, 32 bytes] of fp16
         return t.to(torch.float16).reshape(n // 16, 16, g).transpose(1, 2).contiguous().view(torch.uint8)
 
     return torch.cat([codes, per_group(scale), per_group(minimum)], dim=-1).contiguous()
