@@ -1,4 +1,5 @@
 """The `plait` command: `plait serve ...` runs the HTTP server, `plait bench NAME ...` a benchmark."""
+
 from __future__ import annotations
 
 import argparse
@@ -23,33 +24,54 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     its definition in runtime/server_args.py)."""
     p.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
-    p.add_argument("--api-key", default=os.environ.get("PLAIT_API_KEY") or None,
-                   help="require 'Authorization: Bearer KEY' on every route except /health "
-                        "(default: $PLAIT_API_KEY)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("PLAIT_API_KEY") or None,
+        help="require 'Authorization: Bearer KEY' on every route except /health (default: $PLAIT_API_KEY)",
+    )
     p.add_argument("--served-model-name", default=None, help="model name in /v1/models (default: --model)")
-    p.add_argument("--max-queued-requests", type=int, default=1024,
-                   help="generate requests the server holds at once; more get 503 with Retry-After")
-    p.add_argument("--request-timeout", type=float, default=None,
-                   help="seconds a generate request may run; past it the request is aborted with a 504 error")
-    p.add_argument("--log-requests", action="store_true",
-                   help="log each request body (prompts included); off by default")
-    p.add_argument("--dp-size", type=int, default=1,
-                   help="data parallelism: N engine replicas (child servers on loopback) behind a cache-aware router")
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="generate requests the server holds at once; more get 503 with Retry-After",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a generate request may run; past it the request is aborted with a 504 error",
+    )
+    p.add_argument(
+        "--log-requests", action="store_true", help="log each request body (prompts included); off by default"
+    )
+    p.add_argument(
+        "--dp-size",
+        type=int,
+        default=1,
+        help="data parallelism: N engine replicas (child servers on loopback) behind a cache-aware router",
+    )
     for f in dataclasses.fields(ServerArgs):
         if f.name in PYTHON_ONLY:
             continue
         flag, meta = "--" + f.name.replace("_", "-"), f.metadata
         if f.type == "bool":
             p.add_argument(flag, action="store_true", help=meta["help"])
-        else:   # None: the engine's default (ServerArgs fills it in)
-            p.add_argument(flag, type=_FIELD_TYPES[f.type.removesuffix(" | None")], default=None,
-                           choices=meta["choices"], help=meta["help"])
-    p.set_defaults(log_level="info")   # a server logs more than an in-process Engine
+        else:  # None: the engine's default (ServerArgs fills it in)
+            p.add_argument(
+                flag,
+                type=_FIELD_TYPES[f.type.removesuffix(" | None")],
+                default=None,
+                choices=meta["choices"],
+                help=meta["help"],
+            )
+    p.set_defaults(log_level="info")  # a server logs more than an in-process Engine
 
 
-_FIELD_TYPES = {"str": str, "int": int, "float": float}   # ServerArgs' annotations (strings: PEP 563)
+_FIELD_TYPES = {"str": str, "int": int, "float": float}  # ServerArgs' annotations (strings: PEP 563)
 # The ServerArgs fields `plait serve` takes, each as --field-name; None means "the engine's default".
 _ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(ServerArgs) if f.name not in PYTHON_ONLY)
+
 
 def serve_flags_markdown() -> str:
     """docs/server_args.md: every `plait serve` flag with its default and meaning, from the parser
@@ -67,11 +89,13 @@ def serve_flags_markdown() -> str:
         choices = f" ({' / '.join(map(str, a.choices))})" if a.choices else ""
         text = " ".join((a.help or "").split()).replace("|", "\\|")
         rows.append(f"| `{a.option_strings[0]}` | {shown} | {text}{choices} |")
-    return ("# `plait serve` flags\n\nGenerated from the parser (`plait/cli.py`) and `ServerArgs` "
-            "(`runtime/server_args.py`); `plait.Engine(...)` takes the engine's flags as keyword arguments "
-            "(`--max-total-tokens` is `max_total_tokens`). Regenerate with\n"
-            "`python -c \"from plait.cli import serve_flags_markdown as m; print(m(), end='')\" > docs/server_args.md`.\n\n"
-            "| flag | default | meaning |\n|---|---|---|\n" + "\n".join(rows) + "\n")
+    return (
+        "# `plait serve` flags\n\nGenerated from the parser (`plait/cli.py`) and `ServerArgs` "
+        "(`runtime/server_args.py`); `plait.Engine(...)` takes the engine's flags as keyword arguments "
+        "(`--max-total-tokens` is `max_total_tokens`). Regenerate with\n"
+        "`python -c \"from plait.cli import serve_flags_markdown as m; print(m(), end='')\" > docs/server_args.md`.\n\n"
+        "| flag | default | meaning |\n|---|---|---|\n" + "\n".join(rows) + "\n"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _listen(host: str, port: int):
     """(the bound listening socket, None), or (None, exit code) after saying why it cannot be had."""
     from plait.runtime.server.http_common import bind_socket  # imports the server stack: only when serving
+
     try:
         return bind_socket(host, port), None
     except OSError as e:
@@ -107,6 +132,7 @@ def serve(ns: argparse.Namespace) -> int:
     """`plait serve`: validate, bind the port (fail fast), load the model, serve until signalled."""
     from plait.runtime.server.http_server import run_server
     from plait.runtime.server_args import ServerArgs
+
     if not 0 < ns.port < 65536:
         return _fail(f"--port must be in 1..65535, got {ns.port}", 2)
     if ns.max_queued_requests < 0:
@@ -120,8 +146,9 @@ def serve(ns: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(str(e), 2)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.node_rank > 0:   # a worker node: no HTTP; its tensor-parallel ranks follow node 0's
+    if args.node_rank > 0:  # a worker node: no HTTP; its tensor-parallel ranks follow node 0's
         from plait.runtime.engine import run_worker_node
+
         return run_worker_node(args)
     sock, rc = _listen(ns.host, ns.port)
     if sock is None:
@@ -129,15 +156,32 @@ def serve(ns: argparse.Namespace) -> int:
     try:
         if ns.dp_size > 1:
             from plait.runtime.router.replicas import serve_data_parallel
-            serve_data_parallel({k: getattr(ns, k) for k in _ENGINE_OPTIONS if getattr(ns, k) is not None},
-                                ns.dp_size, ns.host, ns.port, ns.api_key, sock, _replica_flags(ns),
-                                log_level=ns.log_level)
+
+            serve_data_parallel(
+                {k: getattr(ns, k) for k in _ENGINE_OPTIONS if getattr(ns, k) is not None},
+                ns.dp_size,
+                ns.host,
+                ns.port,
+                ns.api_key,
+                sock,
+                _replica_flags(ns),
+                log_level=ns.log_level,
+            )
         else:
-            run_server(args, ns.host, ns.port, ns.api_key, ns.max_queued_requests, ns.served_model_name, sock=sock,
-                       request_timeout=ns.request_timeout, log_requests=ns.log_requests)
+            run_server(
+                args,
+                ns.host,
+                ns.port,
+                ns.api_key,
+                ns.max_queued_requests,
+                ns.served_model_name,
+                sock=sock,
+                request_timeout=ns.request_timeout,
+                log_requests=ns.log_requests,
+            )
     except KeyboardInterrupt:
         pass
-    except Exception as e:   # e.g. a model that does not load: one line, not a traceback
+    except Exception as e:  # e.g. a model that does not load: one line, not a traceback
         logging.getLogger("plait").debug("serve failed", exc_info=True)
         return _fail(f"{type(e).__name__}: {e}")
     return 0
@@ -158,28 +202,46 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
         DEFAULT_CACHE_THRESHOLD,
         POLICIES,
     )
+
     p.add_argument("--worker-urls", nargs="+", required=True, metavar="URL", help="the plait servers to route to")
     p.add_argument("--host", default=DEFAULT_HOST)
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--policy", default="cache_aware", choices=POLICIES)
-    p.add_argument("--cache-threshold", type=float, default=DEFAULT_CACHE_THRESHOLD,
-                   help="cache_aware: least prefix match (fraction of the text) that routes to the matching replica")
-    p.add_argument("--balance-abs-threshold", type=int, default=DEFAULT_BALANCE_ABS_THRESHOLD,
-                   help="cache_aware: a replica is overloaded when its load exceeds the least-loaded one's by "
-                        "more than this many requests and ...")
-    p.add_argument("--balance-rel-threshold", type=float, default=DEFAULT_BALANCE_REL_THRESHOLD,
-                   help="... is more than this many times it")
+    p.add_argument(
+        "--cache-threshold",
+        type=float,
+        default=DEFAULT_CACHE_THRESHOLD,
+        help="cache_aware: least prefix match (fraction of the text) that routes to the matching replica",
+    )
+    p.add_argument(
+        "--balance-abs-threshold",
+        type=int,
+        default=DEFAULT_BALANCE_ABS_THRESHOLD,
+        help="cache_aware: a replica is overloaded when its load exceeds the least-loaded one's by "
+        "more than this many requests and ...",
+    )
+    p.add_argument(
+        "--balance-rel-threshold",
+        type=float,
+        default=DEFAULT_BALANCE_REL_THRESHOLD,
+        help="... is more than this many times it",
+    )
     p.add_argument("--health-interval", type=float, default=5.0, help="seconds between replica health checks")
     p.add_argument("--api-key", default=None, help="the router's own key (every route except /health)")
-    p.add_argument("--worker-api-key", default=None,
-                   help="key sent to the replicas (default: the client's Authorization header as is)")
+    p.add_argument(
+        "--worker-api-key",
+        default=None,
+        help="key sent to the replicas (default: the client's Authorization header as is)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def router(ns: argparse.Namespace) -> int:
     """`plait router`: route over running plait servers until signalled."""
+    from plait.runtime.router.app import run_router
     from plait.runtime.router.policy import make_policy
-    from plait.runtime.router.router import Router, run_router
+    from plait.runtime.router.router import Router
+
     if not 0 < ns.port < 65536:
         return _fail(f"--port must be in 1..65535, got {ns.port}", 2)
     if ns.health_interval <= 0:

@@ -9,6 +9,7 @@ ignores the text, for comparison.
 A policy chooses among the replicas it is given (the healthy ones) with their current loads
 (requests in flight); the caller owns health and load accounting.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -19,8 +20,8 @@ from typing import Protocol
 DEFAULT_CACHE_THRESHOLD = 0.5
 DEFAULT_BALANCE_ABS_THRESHOLD = 32
 DEFAULT_BALANCE_REL_THRESHOLD = 1.5
-DEFAULT_MAX_TREE_CHARS = 2_000_000   # per replica; roughly the text of a few 100k tokens
-TOKEN_ID_BASE = 0xE000               # token ids map to characters from here (above the surrogates)
+DEFAULT_MAX_TREE_CHARS = 2_000_000  # per replica; roughly the text of a few 100k tokens
+TOKEN_ID_BASE = 0xE000  # token ids map to characters from here (above the surrogates)
 
 
 class RoutingPolicy(Protocol):
@@ -56,10 +57,10 @@ class _Node:
     __slots__ = ("children", "edge", "parent", "seen")
 
     def __init__(self, edge: str, parent: _Node | None):
-        self.edge = edge                          # the characters on the edge into this node
-        self.children: dict[str, _Node] = {}      # first character of the child's edge -> child
+        self.edge = edge  # the characters on the edge into this node
+        self.children: dict[str, _Node] = {}  # first character of the child's edge -> child
         self.parent = parent
-        self.seen: dict[str, int] = {}            # replica -> logical time it last saw this text
+        self.seen: dict[str, int] = {}  # replica -> logical time it last saw this text
 
 
 class PrefixTree:
@@ -73,7 +74,7 @@ class PrefixTree:
             raise ValueError(f"max_chars must be >= 1, got {max_chars}")
         self.max_chars = max_chars
         self.root = _Node("", None)
-        self.chars: dict[str, int] = {}           # replica -> characters of text it holds
+        self.chars: dict[str, int] = {}  # replica -> characters of text it holds
         self._clock = itertools.count(1)
 
     def match(self, text: str) -> dict[str, int]:
@@ -86,7 +87,7 @@ class PrefixTree:
                 break
             n = _common_len(child.edge, text, depth)
             for r in child.seen:
-                matched[r] = depth + n    # deeper nodes overwrite: a replica's deepest wins
+                matched[r] = depth + n  # deeper nodes overwrite: a replica's deepest wins
             if n < len(child.edge):
                 break
             node, depth = child, depth + n
@@ -112,7 +113,7 @@ class PrefixTree:
             node, depth = child, depth + n
         self.chars.setdefault(replica, 0)
         if self.chars[replica] > self.max_chars:
-            self._evict(replica, self.max_chars * 9 // 10)   # some slack: evict in batches
+            self._evict(replica, self.max_chars * 9 // 10)  # some slack: evict in batches
 
     def forget(self, replica: str) -> None:
         """Remove everything `replica` has seen."""
@@ -181,10 +182,13 @@ class CacheAwarePolicy:
 
     name = "cache_aware"
 
-    def __init__(self, cache_threshold: float = DEFAULT_CACHE_THRESHOLD,
-                 balance_abs_threshold: int = DEFAULT_BALANCE_ABS_THRESHOLD,
-                 balance_rel_threshold: float = DEFAULT_BALANCE_REL_THRESHOLD,
-                 max_tree_chars: int = DEFAULT_MAX_TREE_CHARS):
+    def __init__(
+        self,
+        cache_threshold: float = DEFAULT_CACHE_THRESHOLD,
+        balance_abs_threshold: int = DEFAULT_BALANCE_ABS_THRESHOLD,
+        balance_rel_threshold: float = DEFAULT_BALANCE_REL_THRESHOLD,
+        max_tree_chars: int = DEFAULT_MAX_TREE_CHARS,
+    ):
         if not 0.0 <= cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
         if balance_abs_threshold < 0:
@@ -210,8 +214,7 @@ class CacheAwarePolicy:
         if matched and text:
             order = {r: i for i, r in enumerate(loads)}
             best = max(matched, key=lambda r: (matched[r], -loads[r], -order[r]))
-            if matched[best] / len(text) >= self.cache_threshold and \
-                    not self.overloaded(loads[best], loads[fallback]):
+            if matched[best] / len(text) >= self.cache_threshold and not self.overloaded(loads[best], loads[fallback]):
                 choice = best
         self.tree.insert(text, choice)
         return choice
@@ -245,10 +248,13 @@ class RoundRobinPolicy:
 POLICIES = ("cache_aware", "round_robin")
 
 
-def make_policy(name: str, cache_threshold: float = DEFAULT_CACHE_THRESHOLD,
-                balance_abs_threshold: int = DEFAULT_BALANCE_ABS_THRESHOLD,
-                balance_rel_threshold: float = DEFAULT_BALANCE_REL_THRESHOLD,
-                max_tree_chars: int = DEFAULT_MAX_TREE_CHARS) -> RoutingPolicy:
+def make_policy(
+    name: str,
+    cache_threshold: float = DEFAULT_CACHE_THRESHOLD,
+    balance_abs_threshold: int = DEFAULT_BALANCE_ABS_THRESHOLD,
+    balance_rel_threshold: float = DEFAULT_BALANCE_REL_THRESHOLD,
+    max_tree_chars: int = DEFAULT_MAX_TREE_CHARS,
+) -> RoutingPolicy:
     """A policy by name (`POLICIES`); ValueError for an unknown name or a bad threshold."""
     if name == "cache_aware":
         return CacheAwarePolicy(cache_threshold, balance_abs_threshold, balance_rel_threshold, max_tree_chars)

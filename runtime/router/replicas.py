@@ -2,6 +2,7 @@
 ports, the CPU threads split between them), waiting until they are healthy, the router in front,
 and stopping the replicas with it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,8 +19,9 @@ from typing import Any
 
 import httpx
 
+from .app import run_router
 from .policy import make_policy
-from .router import Router, run_router
+from .router import Router
 
 REPLICA_START_TIMEOUT_S = 600.0
 
@@ -28,8 +30,9 @@ REPLICA_START_TIMEOUT_S = 600.0
 def _die_with_parent() -> None:
     """In a child, before exec: get SIGTERM when the parent dies, so replicas never outlive it."""
     import ctypes
+
     with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def replica_command(engine_args: dict[str, Any], port: int, extra: Sequence[str] = ()) -> list[str]:
@@ -93,9 +96,17 @@ def _stop(procs: list[subprocess.Popen], timeout: float = 20.0) -> None:
             p.wait()
 
 
-def serve_data_parallel(engine_args: dict[str, Any], dp_size: int, host: str, port: int,
-                        api_key: str | None, sock: socket.socket, replica_flags: Sequence[str] = (),
-                        policy: str = "cache_aware", log_level: str = "warning") -> None:
+def serve_data_parallel(
+    engine_args: dict[str, Any],
+    dp_size: int,
+    host: str,
+    port: int,
+    api_key: str | None,
+    sock: socket.socket,
+    replica_flags: Sequence[str] = (),
+    policy: str = "cache_aware",
+    log_level: str = "warning",
+) -> None:
     """`plait serve --dp-size N`: N replica servers (`plait serve` children on loopback ports,
     the same engine arguments, the CPU threads split) and the router in front on host:port.
     The replicas are stopped with the router; they also die with this process."""
@@ -103,7 +114,7 @@ def serve_data_parallel(engine_args: dict[str, Any], dp_size: int, host: str, po
         # uvicorn re-raises SIGTERM once it has stopped; exit through `finally` then, so that the
         # replicas are stopped and waited for rather than left to their parent-death signal.
         signal.signal(signal.SIGTERM, _exit_quietly)
-    worker_key = secrets.token_urlsafe(24)   # the replicas answer only the router
+    worker_key = secrets.token_urlsafe(24)  # the replicas answer only the router
     ports = [_free_port() for _ in range(dp_size)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PLAIT_API_KEY": worker_key}
@@ -112,13 +123,27 @@ def serve_data_parallel(engine_args: dict[str, Any], dp_size: int, host: str, po
         for i, p in enumerate(ports):
             cmd = replica_command(replica_engine_args(engine_args, dp_size, i), p, replica_flags)
             # preexec_fn: no thread of ours runs yet (the router starts after the replicas)
-            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent  # noqa: PLW1509
-                                          if sys.platform == "linux" else None))
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    env=env,
+                    preexec_fn=_die_with_parent  # noqa: PLW1509
+                    if sys.platform == "linux"
+                    else None,
+                )
+            )
         _wait_healthy(procs, urls, REPLICA_START_TIMEOUT_S)
         router = Router(urls, make_policy(policy), worker_api_key=worker_key, pids=[p.pid for p in procs])
         shown = f"[{host}]" if ":" in host else host
-        run_router(router, host, port, api_key, sock=sock, log_level=log_level,
-                   ready_message=f"plait: ready, serving {engine_args.get('model')} with {dp_size} replicas "
-                                 f"at http://{shown}:{port}")
+        run_router(
+            router,
+            host,
+            port,
+            api_key,
+            sock=sock,
+            log_level=log_level,
+            ready_message=f"plait: ready, serving {engine_args.get('model')} with {dp_size} replicas "
+            f"at http://{shown}:{port}",
+        )
     finally:
         _stop(procs)

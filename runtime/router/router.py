@@ -9,6 +9,7 @@ replicas or to any one. A replica that stops answering (connection errors, a 5xx
 health probe, failed background health checks) leaves the rotation and its request is retried on
 another one (a stream only while nothing of it was sent); it comes back once healthy again.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,12 +18,11 @@ import dataclasses
 import json
 import logging
 import re
-import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import Request
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.responses import Response, StreamingResponse
 
@@ -31,10 +31,6 @@ from ..server.http_common import (
     SSE_DONE,
     ApiError,
     ClientGone,
-    GuardMiddleware,
-    add_error_handlers,
-    bind_socket,
-    json_response,
     sse,
 )
 from .policy import RoutingPolicy, ids_to_text
@@ -44,28 +40,41 @@ logger = logging.getLogger("plait.router")
 GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/embeddings")
 HEALTH_INTERVAL_S = 5.0
 HEALTH_TIMEOUT_S = 5.0
-HEALTH_FAILURES_TO_DOWN = 2      # a timeout may be a busy machine; a refused connection is final at once
+HEALTH_FAILURES_TO_DOWN = 2  # a timeout may be a busy machine; a refused connection is final at once
 CONNECT_TIMEOUT_S = 5.0
 # Response headers not passed through: hop-by-hop, or recomputed by our server.
-_DROP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server",
-                 "content-encoding"}
+_DROP_HEADERS = {
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "date",
+    "server",
+    "content-encoding",
+}
 
 
 @dataclasses.dataclass
 class Replica:
     """One replica server as the router sees it."""
+
     url: str
     healthy: bool = True
     in_flight: int = 0
-    routed: int = 0                 # requests sent to it (retries included)
-    failed_checks: int = 0          # consecutive failed health checks
+    routed: int = 0  # requests sent to it (retries included)
+    failed_checks: int = 0  # consecutive failed health checks
     last_error: str | None = None
-    pid: int | None = None          # when the router started it (--dp-size)
+    pid: int | None = None  # when the router started it (--dp-size)
 
     def describe(self) -> dict[str, Any]:
         """The replica's entry in the router's /get_server_info."""
-        out = {"url": self.url, "healthy": self.healthy, "in_flight": self.in_flight, "routed": self.routed,
-               "last_error": self.last_error}
+        out = {
+            "url": self.url,
+            "healthy": self.healthy,
+            "in_flight": self.in_flight,
+            "routed": self.routed,
+            "last_error": self.last_error,
+        }
         if self.pid is not None:
             out["pid"] = self.pid
         return out
@@ -75,7 +84,7 @@ class _Retry(Exception):
     """This attempt failed in a way another replica may not: try the next one."""
 
     def __init__(self, response: Response | None = None):
-        self.response = response    # the replica's own error answer, sent if no replica is left
+        self.response = response  # the replica's own error answer, sent if no replica is left
 
 
 # --- routing text -----------------------------------------------------------------------------
@@ -93,7 +102,7 @@ def _first_prompt(value: Any) -> str:
 def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list):   # OpenAI content parts
+    if isinstance(content, list):  # OpenAI content parts
         return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
     return ""
 
@@ -107,9 +116,10 @@ def routing_text(path: str, body: Any) -> str:
         messages = body.get("messages")
         if not isinstance(messages, list):
             return ""
-        system = _content_text(body.get("system"))        # the Messages API's system prompt comes first
+        system = _content_text(body.get("system"))  # the Messages API's system prompt comes first
         return (f"system: {system}\n" if system else "") + "".join(
-            f"{m.get('role')}: {_content_text(m.get('content'))}\n" for m in messages if isinstance(m, dict))
+            f"{m.get('role')}: {_content_text(m.get('content'))}\n" for m in messages if isinstance(m, dict)
+        )
     if path == "/v1/completions":
         return _first_prompt(body.get("prompt"))
     if path == "/v1/embeddings":
@@ -157,13 +167,19 @@ class RouterMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("plait_router_requests", "Requests the router sent to a replica, by replica "
-                                "and answer status (0: no answer)", ["replica", "status"], registry=self.registry)
+        self.requests = Counter(
+            "plait_router_requests",
+            "Requests the router sent to a replica, by replica and answer status (0: no answer)",
+            ["replica", "status"],
+            registry=self.registry,
+        )
         self.retries = Counter("plait_router_retries", "Requests retried on another replica", registry=self.registry)
-        self.healthy = Gauge("plait_router_replica_healthy", "1 while a replica is in rotation", ["replica"],
-                             registry=self.registry)
-        self.in_flight = Gauge("plait_router_replica_in_flight", "Requests in flight per replica", ["replica"],
-                               registry=self.registry)
+        self.healthy = Gauge(
+            "plait_router_replica_healthy", "1 while a replica is in rotation", ["replica"], registry=self.registry
+        )
+        self.in_flight = Gauge(
+            "plait_router_replica_in_flight", "Requests in flight per replica", ["replica"], registry=self.registry
+        )
 
     def render(self, replicas: Sequence[Replica]) -> bytes:
         for r in replicas:
@@ -198,9 +214,15 @@ def label_metrics(text: str, replica: str, seen_meta: set[str]) -> list[str]:
 class Router:
     """Routing state shared by the route handlers: replicas, policy, HTTP client, health loop."""
 
-    def __init__(self, urls: Sequence[str], policy: RoutingPolicy, worker_api_key: str | None = None,
-                 health_interval: float = HEALTH_INTERVAL_S, health_timeout: float = HEALTH_TIMEOUT_S,
-                 pids: Sequence[int] | None = None):
+    def __init__(
+        self,
+        urls: Sequence[str],
+        policy: RoutingPolicy,
+        worker_api_key: str | None = None,
+        health_interval: float = HEALTH_INTERVAL_S,
+        health_timeout: float = HEALTH_TIMEOUT_S,
+        pids: Sequence[int] | None = None,
+    ):
         if not urls:
             raise ValueError("the router needs at least one worker URL")
         self.replicas: dict[str, Replica] = {}
@@ -256,8 +278,9 @@ class Router:
                 replica.healthy, replica.last_error = True, None
             return True
         replica.failed_checks += 1
-        if replica.healthy and (error.startswith("connection refused")
-                                or replica.failed_checks >= HEALTH_FAILURES_TO_DOWN):
+        if replica.healthy and (
+            error.startswith("connection refused") or replica.failed_checks >= HEALTH_FAILURES_TO_DOWN
+        ):
             self.mark_down(replica, error)
         return False
 
@@ -277,8 +300,12 @@ class Router:
     def no_replica_error(self) -> ApiError:
         """503 when no replica is in rotation."""
         down = "; ".join(f"{r.url}: {r.last_error or 'unhealthy'}" for r in self.replicas.values())
-        return ApiError(503, f"no healthy replica to serve the request ({down})", code="no_healthy_replica",
-                        headers={"Retry-After": "1"})
+        return ApiError(
+            503,
+            f"no healthy replica to serve the request ({down})",
+            code="no_healthy_replica",
+            headers={"Retry-After": "1"},
+        )
 
     # --- forwarding -------------------------------------------------------------------------
     def forward_headers(self, request: Request) -> dict[str, str]:
@@ -298,7 +325,7 @@ class Router:
         try:
             body = json.loads(raw) if raw.strip() else None
         except (ValueError, UnicodeDecodeError):
-            body = None                  # the replica answers the 400
+            body = None  # the replica answers the 400
         text = routing_text(path, body)
         stream = isinstance(body, dict) and body.get("stream") is True
         headers = self.forward_headers(request)
@@ -319,11 +346,12 @@ class Router:
             except _Retry as e:
                 last_error = e.response or last_error
 
-    async def _attempt(self, request: Request, replica: Replica, path: str, raw: bytes,
-                       headers: dict[str, str], stream: bool) -> Response:
+    async def _attempt(
+        self, request: Request, replica: Replica, path: str, raw: bytes, headers: dict[str, str], stream: bool
+    ) -> Response:
         replica.in_flight += 1
         replica.routed += 1
-        handed_over = False     # a streaming response then owns the in-flight count
+        handed_over = False  # a streaming response then owns the in-flight count
         resp: httpx.Response | None = None
         try:
             req = self.client.build_request("POST", replica.url + path, content=raw, headers=headers)
@@ -340,7 +368,7 @@ class Router:
                 except httpx.TransportError as e:
                     self.mark_down(replica, f"{type(e).__name__}: {e}")
                     raise _Retry() from None
-                answer = _plain_response(resp, content)
+                answer = plain_response(resp, content)
                 if resp.status_code >= 500:
                     await self._on_server_error(replica, resp.status_code, answer)
                 return answer
@@ -355,8 +383,7 @@ class Router:
                 self.mark_down(replica, f"{type(e).__name__}: {e}")
                 raise _Retry() from None
             handed_over = True
-            return RelayStream(self._relay(replica, first, chunks), resp, replica,
-                               headers=_pass_headers(resp))
+            return RelayStream(self._relay(replica, first, chunks), resp, replica, headers=_pass_headers(resp))
         finally:
             if not handed_over:
                 replica.in_flight -= 1
@@ -382,8 +409,9 @@ class Router:
                 yield chunk
         except httpx.TransportError as e:
             self.mark_down(replica, f"{type(e).__name__}: {e}")
-            yield sse(ApiError(502, f"replica {replica.url} failed mid-stream", "server_error",
-                               "replica_failed").body()).encode()
+            yield sse(
+                ApiError(502, f"replica {replica.url} failed mid-stream", "server_error", "replica_failed").body()
+            ).encode()
             yield SSE_DONE.encode()
 
     async def any_replica(self, request: Request, method: str, path: str) -> Response:
@@ -392,12 +420,11 @@ class Router:
         raw = await read_body(request) if method == "POST" else None
         for replica in self.healthy():
             try:
-                resp = await self.client.request(method, replica.url + path, content=raw, headers=headers,
-                                                 timeout=60)
+                resp = await self.client.request(method, replica.url + path, content=raw, headers=headers, timeout=60)
             except httpx.TransportError as e:
                 self.mark_down(replica, f"{type(e).__name__}: {e}")
                 continue
-            return _plain_response(resp, resp.content)
+            return plain_response(resp, resp.content)
         raise self.no_replica_error()
 
     async def all_replicas(self, request: Request, method: str, path: str) -> list[tuple[Replica, Any]]:
@@ -415,6 +442,7 @@ class Router:
                 if isinstance(e, httpx.TransportError):
                     self.mark_down(r, f"{type(e).__name__}: {e}")
                 return e
+
         return list(zip(replicas, await asyncio.gather(*(one(r) for r in replicas))))
 
     async def server_info(self, request: Request) -> dict[str, Any]:
@@ -426,19 +454,30 @@ class Router:
             a = answers.get(r.url)
             if isinstance(a, httpx.Response) and a.status_code == 200:
                 entry["server_info"] = info = a.json()
-                for key in ("num_prompt_tokens", "num_cached_tokens", "num_generated_tokens", "num_running",
-                            "num_waiting"):
+                for key in (
+                    "num_prompt_tokens",
+                    "num_cached_tokens",
+                    "num_generated_tokens",
+                    "num_running",
+                    "num_waiting",
+                ):
                     if isinstance(info.get(key), (int, float)):
                         totals[key] = totals.get(key, 0) + info[key]
             elif a is not None:
-                entry["error"] = f"HTTP {a.status_code}" if isinstance(a, httpx.Response) else \
-                    f"{type(a).__name__}: {a}"
+                entry["error"] = (
+                    f"HTTP {a.status_code}" if isinstance(a, httpx.Response) else f"{type(a).__name__}: {a}"
+                )
             entries.append(entry)
         prompt = totals.get("num_prompt_tokens", 0)
-        return {"router": True, "policy": self.policy.name, "dp_size": len(self.replicas),
-                "num_healthy_replicas": len(self.healthy()), **totals,
-                "cache_hit_rate": totals.get("num_cached_tokens", 0) / prompt if prompt else 0.0,
-                "replicas": entries}
+        return {
+            "router": True,
+            "policy": self.policy.name,
+            "dp_size": len(self.replicas),
+            "num_healthy_replicas": len(self.healthy()),
+            **totals,
+            "cache_hit_rate": totals.get("num_cached_tokens", 0) / prompt if prompt else 0.0,
+            "replicas": entries,
+        }
 
     async def _gather_healthy(self, request: Request, path: str) -> list[tuple[Replica, Any]]:
         if not self.healthy():
@@ -450,8 +489,9 @@ class RelayStream(StreamingResponse):
     """A streamed replica answer passed through; the replica connection and the in-flight count
     are released however it ends (finished, failed, client gone, or never started)."""
 
-    def __init__(self, content: AsyncIterator[bytes], upstream: httpx.Response, replica: Replica,
-                 headers: dict[str, str]):
+    def __init__(
+        self, content: AsyncIterator[bytes], upstream: httpx.Response, replica: Replica, headers: dict[str, str]
+    ):
         super().__init__(content, headers=headers)
         self.upstream = upstream
         self.replica = replica
@@ -471,123 +511,5 @@ def _pass_headers(resp: httpx.Response) -> dict[str, str]:
     return {k: v for k, v in resp.headers.items() if k.lower() not in _DROP_HEADERS}
 
 
-def _plain_response(resp: httpx.Response, content: bytes) -> Response:
+def plain_response(resp: httpx.Response, content: bytes) -> Response:
     return Response(content, status_code=resp.status_code, headers=_pass_headers(resp))
-
-
-# --- the app ----------------------------------------------------------------------------------
-def create_router_app(router: Router, api_key: str | None = None, ready_message: str | None = None) -> FastAPI:
-    """The router's FastAPI app. `api_key` is the router's own key (every route but /health)."""
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await router.start()
-        task = asyncio.create_task(router.health_loop())
-        if ready_message:
-            print(ready_message, flush=True)
-        try:
-            yield
-        finally:
-            task.cancel()
-            await router.stop()
-
-    app = FastAPI(title="plait router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.router = router
-
-    for path in GENERATE_PATHS:
-        app.add_api_route(path, _generate_handler(router, path), methods=["POST"])
-
-    @app.get("/health")
-    async def health() -> Response:
-        if not router.healthy():
-            return router.no_replica_error().response()
-        return Response(status_code=200)
-
-    @app.get("/health_generate")
-    async def health_generate(request: Request) -> Response:
-        return await router.any_replica(request, "GET", "/health_generate")
-
-    @app.get("/get_model_info")
-    @app.get("/model_info")
-    async def model_info(request: Request) -> Response:
-        return await router.any_replica(request, "GET", "/get_model_info")
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return await router.any_replica(request, "GET", "/v1/models")
-
-    def any_replica(path: str) -> Callable:
-        async def forward(request: Request) -> Response:
-            return await router.any_replica(request, "POST", path)
-        return forward
-
-    for path in ("/tokenize", "/detokenize"):      # the same tokenizer on every replica
-        app.add_api_route(path, any_replica(path), methods=["POST"])
-
-    @app.get("/get_server_info")
-    @app.get("/server_info")
-    async def server_info(request: Request) -> Response:
-        return json_response(await router.server_info(request))
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache(request: Request) -> Response:
-        answers = await router.all_replicas(request, request.method, "/flush_cache")
-        for replica, a in answers:
-            if not isinstance(a, httpx.Response):
-                raise ApiError(502, f"replica {replica.url} did not answer /flush_cache: {a}")
-            if a.status_code != 200:
-                return _plain_response(a, a.content)
-        return json_response({"success": True, "message": f"cache flushed on {len(answers)} replica(s)"})
-
-    @app.post("/abort_request")
-    async def abort_request(request: Request) -> Response:
-        # The router does not keep rids; the replica that holds it aborts it, the others ignore it.
-        answers = await router.all_replicas(request, "POST", "/abort_request")
-        found = any(isinstance(a, httpx.Response) and a.status_code == 200 and a.json().get("found")
-                    for _, a in answers)
-        bad = next((a for _, a in answers if isinstance(a, httpx.Response) and a.status_code != 200), None)
-        if bad is not None:
-            return _plain_response(bad, bad.content)
-        return json_response({"success": True, "found": found})
-
-    @app.post("/concate_and_append_request")
-    async def concate_and_append_request() -> Response:
-        return json_response({"success": True})
-
-    @app.get("/metrics")
-    async def metrics(request: Request) -> Response:
-        lines = [router.metrics.render(list(router.replicas.values())).decode()]
-        seen: set[str] = set()
-        for replica, a in await router._gather_healthy(request, "/metrics"):
-            if isinstance(a, httpx.Response) and a.status_code == 200:
-                lines += label_metrics(a.text, replica.url, seen)
-        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    add_error_handlers(app, "router")
-    app.add_middleware(GuardMiddleware, api_key=api_key)
-    return app
-
-
-def _generate_handler(router: Router, path: str) -> Callable:
-    async def handler(request: Request) -> Response:
-        return await router.route(request, path)
-    handler.__name__ = "route_" + path.strip("/").replace("/", "_")
-    return handler
-
-
-def run_router(router: Router, host: str, port: int, api_key: str | None = None,
-               sock: socket.socket | None = None, log_level: str = "warning",
-               ready_message: str | None = None) -> None:
-    """Serve the router until SIGINT / SIGTERM."""
-    import uvicorn
-    logging.getLogger("httpx").setLevel(logging.WARNING)   # not a line per health check
-    sock = sock or bind_socket(host, port)
-    try:
-        shown = f"[{host}]" if ":" in host else host
-        app = create_router_app(router, api_key, ready_message or
-                                f"plait: router ready ({router.policy.name}, {len(router.replicas)} "
-                                f"replica(s)) at http://{shown}:{port}")
-        config = uvicorn.Config(app, log_level=log_level.lower(), access_log=False, timeout_graceful_shutdown=3)
-        uvicorn.Server(config).run(sockets=[sock])
-    finally:
-        sock.close()

@@ -1,5 +1,6 @@
 """Data parallelism: the routing policies (pure Python), the HTTP router over two replica servers
 on loopback (the tiny random Llama), and `plait serve --dp-size 2`."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +17,7 @@ import pytest
 from conftest import free_port, serve, wait_healthy
 
 import plait
+from plait.runtime.router.app import create_router_app
 from plait.runtime.router.policy import (
     CacheAwarePolicy,
     PrefixTree,
@@ -23,7 +25,7 @@ from plait.runtime.router.policy import (
     ids_to_text,
     make_policy,
 )
-from plait.runtime.router.router import Router, create_router_app, label_metrics, routing_text
+from plait.runtime.router.router import Router, label_metrics, routing_text
 from plait.runtime.server.http_server import create_app
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,14 +49,14 @@ def test_tree_evicts_least_recently_seen_per_replica():
     t = PrefixTree(max_chars=30)
     t.insert("x" * 10 + "first", "a")
     t.insert("x" * 10 + "second", "a")
-    t.insert("x" * 10 + "first", "a")       # touch: "second" is now the least recent
-    t.insert("other text entirely", "b")    # another replica's share does not count against a
+    t.insert("x" * 10 + "first", "a")  # touch: "second" is now the least recent
+    t.insert("other text entirely", "b")  # another replica's share does not count against a
     assert t.chars["a"] == 10 + 5 + 6
-    t.insert("x" * 10 + "third!", "a")      # 27 chars, fits
-    t.insert("y" * 10, "a")                  # 37 > 30: evict LRU leaves down to <= 27
+    t.insert("x" * 10 + "third!", "a")  # 27 chars, fits
+    t.insert("y" * 10, "a")  # 37 > 30: evict LRU leaves down to <= 27
     assert t.chars["a"] <= 30
     m = t.match("x" * 10 + "second")
-    assert m["a"] == 10                      # "second" went first, the shared stem stays
+    assert m["a"] == 10  # "second" went first, the shared stem stays
     assert t.match("x" * 10 + "first")["a"] == 15 or t.match("x" * 10 + "third!")["a"] == 16
     assert t.match("y" * 10)["a"] == 10
     assert t.match("other text entirely") == {"b": 19}
@@ -73,7 +75,7 @@ def test_tree_chars_stay_exact_under_random_inserts_and_eviction():
             assert node.seen or node.children, "empty nodes are removed"
             if r in node.seen:
                 total += len(node.edge)
-                assert node.parent is t.root or r in node.parent.seen   # a replica's text is a subtree
+                assert node.parent is t.root or r in node.parent.seen  # a replica's text is a subtree
             stack += node.children.values()
         assert total == t.chars[r] <= 400
     t.forget("p")
@@ -84,11 +86,11 @@ def test_tree_chars_stay_exact_under_random_inserts_and_eviction():
 def test_cache_aware_follows_longest_prefix():
     p = CacheAwarePolicy(cache_threshold=0.5)
     loads = {"r0": 0, "r1": 0}
-    assert p.choose("A" * 100 + "q1", loads) == "r0"     # nothing known: least loaded, first
+    assert p.choose("A" * 100 + "q1", loads) == "r0"  # nothing known: least loaded, first
     loads["r0"] = 1
-    assert p.choose("B" * 100 + "q1", loads) == "r1"     # no match: least loaded
+    assert p.choose("B" * 100 + "q1", loads) == "r1"  # no match: least loaded
     loads["r1"] = 1
-    for q in range(5):                                   # each prefix stays where it was seen
+    for q in range(5):  # each prefix stays where it was seen
         assert p.choose("A" * 100 + f"x{q}", loads) == "r0"
         assert p.choose("B" * 100 + f"x{q}", loads) == "r1"
 
@@ -107,14 +109,14 @@ def test_cache_aware_below_cache_threshold_goes_to_least_loaded():
 def test_cache_aware_balance_thresholds():
     text = "P" * 200
 
-    def route(loads):   # a policy that has seen `text` on r0 only
+    def route(loads):  # a policy that has seen `text` on r0 only
         p = CacheAwarePolicy(cache_threshold=0.5, balance_abs_threshold=4, balance_rel_threshold=2.0)
         assert p.choose(text, {"r0": 0, "r1": 0}) == "r0"
         return p.choose(text + "?", loads)
 
-    assert route({"r0": 6, "r1": 1}) == "r1"     # 6 - 1 > 4 and 6 > 1 * 2: overloaded
-    assert route({"r0": 5, "r1": 1}) == "r0"     # 5 - 1 = 4 is not > 4
-    assert route({"r0": 20, "r1": 11}) == "r0"   # 20 - 11 > 4 but 20 < 11 * 2
+    assert route({"r0": 6, "r1": 1}) == "r1"  # 6 - 1 > 4 and 6 > 1 * 2: overloaded
+    assert route({"r0": 5, "r1": 1}) == "r0"  # 5 - 1 = 4 is not > 4
+    assert route({"r0": 20, "r1": 11}) == "r0"  # 20 - 11 > 4 but 20 < 11 * 2
     assert route({"r0": 23, "r1": 11}) == "r1"
     # the longest match wins among several replicas that saw the prefix
     q = CacheAwarePolicy(cache_threshold=0.1)
@@ -126,7 +128,7 @@ def test_cache_aware_balance_thresholds():
 def test_cache_aware_only_chooses_given_replicas_and_forgets():
     p = CacheAwarePolicy()
     p.choose("T" * 50, {"r0": 0, "r1": 0})
-    assert p.choose("T" * 50, {"r1": 3}) == "r1"   # r0 out of rotation
+    assert p.choose("T" * 50, {"r1": 3}) == "r1"  # r0 out of rotation
     p.forget("r1")
     assert p.tree.match("T" * 50) == {"r0": 50}
 
@@ -140,9 +142,12 @@ def test_round_robin_cycles():
 def test_make_policy_validates():
     assert make_policy("round_robin").name == "round_robin"
     assert make_policy("cache_aware", 0.2, 8, 1.2).balance_abs_threshold == 8
-    for bad in ({"name": "random"}, {"name": "cache_aware", "cache_threshold": 1.5},
-                {"name": "cache_aware", "balance_rel_threshold": 0.5},
-                {"name": "cache_aware", "balance_abs_threshold": -1}):
+    for bad in (
+        {"name": "random"},
+        {"name": "cache_aware", "cache_threshold": 1.5},
+        {"name": "cache_aware", "balance_rel_threshold": 0.5},
+        {"name": "cache_aware", "balance_abs_threshold": -1},
+    ):
         with pytest.raises(ValueError):
             make_policy(**bad)
 
@@ -155,8 +160,12 @@ def test_routing_text():
     assert routing_text("/generate", {"input_ids": [[5, 6], [7]]}) == ids_to_text([5, 6])
     assert routing_text("/v1/completions", {"prompt": "abc"}) == "abc"
     assert routing_text("/v1/completions", {"prompt": [[9, 9]]}) == ids_to_text([9, 9])
-    chat = {"messages": [{"role": "system", "content": "be brief"},
-                         {"role": "user", "content": [{"type": "text", "text": "hello"}]}]}
+    chat = {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hello"}]},
+        ]
+    }
     assert routing_text("/v1/chat/completions", chat) == "system: be brief\nuser: hello\n"
     messages = {"system": "be brief", "messages": [{"role": "user", "content": "hello"}]}
     assert routing_text("/v1/messages", messages) == routing_text("/v1/chat/completions", chat)  # same prefix
@@ -169,33 +178,48 @@ def test_label_metrics():
     seen: set[str] = set()
     a = label_metrics(text, "http://a", seen)
     b = label_metrics(text, "http://b", seen)
-    assert a == ["# HELP m help", "# TYPE m counter", 'm_total{replica="http://a"} 3.0',
-                 'h_bucket{replica="http://a",le="0.1"} 2.0']
+    assert a == [
+        "# HELP m help",
+        "# TYPE m counter",
+        'm_total{replica="http://a"} 3.0',
+        'h_bucket{replica="http://a",le="0.1"} 2.0',
+    ]
     assert b == ['m_total{replica="http://b"} 3.0', 'h_bucket{replica="http://b",le="0.1"} 2.0']
 
 
 # --- the router over two in-process replicas --------------------------------------------------
 @pytest.fixture(scope="module")
 def engines(tiny_model_dirs):
-    kw = {"dtype": "float32", "max_total_tokens": 4096, "chunked_prefill_size": 512, "max_running_requests": 64,
-          "random_seed": 0, "num_threads": 1}
-    with plait.Engine(model=tiny_model_dirs["llama"], **kw) as e0, \
-            plait.Engine(model=tiny_model_dirs["llama"], **kw) as e1:
+    kw = {
+        "dtype": "float32",
+        "max_total_tokens": 4096,
+        "chunked_prefill_size": 512,
+        "max_running_requests": 64,
+        "random_seed": 0,
+        "num_threads": 1,
+    }
+    with (
+        plait.Engine(model=tiny_model_dirs["llama"], **kw) as e0,
+        plait.Engine(model=tiny_model_dirs["llama"], **kw) as e1,
+    ):
         yield [e0, e1]
 
 
 @pytest.fixture(scope="module")
 def replicas(engines):
-    with serve(create_app(engines[0], served_model_name="tiny")) as u0, \
-            serve(create_app(engines[1], served_model_name="tiny")) as u1:
+    with (
+        serve(create_app(engines[0], served_model_name="tiny")) as u0,
+        serve(create_app(engines[1], served_model_name="tiny")) as u1,
+    ):
         yield [u0, u1]
 
 
 @contextlib.contextmanager
 def router_at(urls, policy="cache_aware", api_key=None, worker_api_key=None, health_interval=30.0, **kw):
     """The router app on a free loopback port; yields (base URL, Router)."""
-    router = Router(urls, make_policy(policy, **kw), worker_api_key, health_interval=health_interval,
-                    health_timeout=2.0)
+    router = Router(
+        urls, make_policy(policy, **kw), worker_api_key, health_interval=health_interval, health_timeout=2.0
+    )
     with serve(create_router_app(router, api_key)) as base:
         yield base, router
 
@@ -203,8 +227,24 @@ def router_at(urls, policy="cache_aware", api_key=None, worker_api_key=None, hea
 def shared_prefix_workload(num_prefixes: int, per_prefix: int, seed: int = 0) -> list[str]:
     """Prompts over a few long shared prefixes (distinct words each), in a shuffled order."""
     rng = random.Random(seed)
-    words = ["apple", "river", "stone", "cloud", "maple", "tiger", "ocean", "piano", "lemon", "quartz",
-             "violet", "copper", "meadow", "falcon", "harbor", "canyon"]
+    words = [
+        "apple",
+        "river",
+        "stone",
+        "cloud",
+        "maple",
+        "tiger",
+        "ocean",
+        "piano",
+        "lemon",
+        "quartz",
+        "violet",
+        "copper",
+        "meadow",
+        "falcon",
+        "harbor",
+        "canyon",
+    ]
     prompts = []
     for k in range(num_prefixes):
         prefix = f"Document {k}: " + " ".join(rng.choice(words) for _ in range(200)) + "\n"
@@ -216,8 +256,9 @@ def shared_prefix_workload(num_prefixes: int, per_prefix: int, seed: int = 0) ->
 async def _post_all(base: str, prompts: list[str], sampling=GREEDY) -> list[httpx.Response]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as client:
-        return await asyncio.gather(*(client.post("/generate", json={"text": p, "sampling_params": sampling})
-                                      for p in prompts))
+        return await asyncio.gather(
+            *(client.post("/generate", json={"text": p, "sampling_params": sampling}) for p in prompts)
+        )
 
 
 def hit_rate(responses: list[httpx.Response]) -> float:
@@ -242,30 +283,33 @@ def test_cache_aware_beats_round_robin_on_shared_prefixes(replicas, engines):
     # prompt, the prefix share times 3 of 4 requests), about twice with round robin (about 1/2)
     assert rates["cache_aware"] > 0.65, rates
     assert rates["cache_aware"] > rates["round_robin"] + 0.12, rates
-    assert min(spread["cache_aware"]) >= len(prompts) // 4, spread   # both replicas still used
+    assert min(spread["cache_aware"]) >= len(prompts) // 4, spread  # both replicas still used
 
 
 def test_router_forwards_every_endpoint(replicas):
     with router_at(replicas, "round_robin") as (base, router), httpx.Client(base_url=base, timeout=60) as http:
         direct = httpx.post(replicas[0] + "/generate", json={"text": "Hello", "sampling_params": GREEDY}).json()
         routed = [http.post("/generate", json={"text": "Hello", "sampling_params": GREEDY}).json() for _ in range(2)]
-        assert all(r["output_ids"] == direct["output_ids"] for r in routed)   # same model on both replicas
-        with http.stream("POST", "/generate", json={"text": "Hello", "sampling_params": GREEDY,
-                                                     "stream": True}) as resp:
+        assert all(r["output_ids"] == direct["output_ids"] for r in routed)  # same model on both replicas
+        with http.stream(
+            "POST", "/generate", json={"text": "Hello", "sampling_params": GREEDY, "stream": True}
+        ) as resp:
             assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
             lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
         assert lines[-1] == "data: [DONE]" and '"output_ids"' in lines[-2]
         comp = http.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 3})
         assert comp.status_code == 200 and comp.json()["usage"]["completion_tokens"] == 3
-        chat = http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 3, "stream": True,
-                                                       "messages": [{"role": "user", "content": "Hi"}]})
+        chat = http.post(
+            "/v1/chat/completions",
+            json={"model": "tiny", "max_tokens": 3, "stream": True, "messages": [{"role": "user", "content": "Hi"}]},
+        )
         assert chat.status_code == 200 and chat.text.rstrip().endswith("data: [DONE]")
         assert http.get("/v1/models").json()["data"][0]["id"] == "tiny"
         assert http.get("/get_model_info").json()["model_path"]
         ids = http.post("/tokenize", json={"prompt": "Hello"}).json()["tokens"]
         assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"].endswith("Hello")
         bad = http.post("/generate", content=b"{not json")
-        assert bad.status_code == 400 and "error" in bad.json()          # the replica's own 400
+        assert bad.status_code == 400 and "error" in bad.json()  # the replica's own 400
         info = http.get("/get_server_info").json()
         assert info["dp_size"] == 2 and len(info["replicas"]) == 2
         assert all(r["healthy"] and "server_info" in r for r in info["replicas"])
@@ -283,23 +327,28 @@ def test_router_api_keys(engines):
         with router_at([worker], api_key="router-key", worker_api_key="worker-key") as (base, _):
             body = {"text": "Hi", "sampling_params": GREEDY}
             assert httpx.post(base + "/generate", json=body).status_code == 401
-            assert httpx.post(base + "/generate", json=body,
-                              headers={"Authorization": "Bearer worker-key"}).status_code == 401
-            ok = httpx.post(base + "/generate", json=body, headers={"Authorization": "Bearer router-key"},
-                            timeout=60)
+            assert (
+                httpx.post(base + "/generate", json=body, headers={"Authorization": "Bearer worker-key"}).status_code
+                == 401
+            )
+            ok = httpx.post(base + "/generate", json=body, headers={"Authorization": "Bearer router-key"}, timeout=60)
             assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 4
             assert httpx.get(base + "/health").status_code == 200
-        with router_at([worker]) as (base, _):    # no worker key: the client's header goes through
+        with router_at([worker]) as (base, _):  # no worker key: the client's header goes through
             assert httpx.post(base + "/generate", json=body, timeout=60).status_code == 401
-            assert httpx.post(base + "/generate", json=body, headers={"Authorization": "Bearer worker-key"},
-                              timeout=60).status_code == 200
+            assert (
+                httpx.post(
+                    base + "/generate", json=body, headers={"Authorization": "Bearer worker-key"}, timeout=60
+                ).status_code
+                == 200
+            )
 
 
 def test_router_without_healthy_replica_answers_503():
     dead = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
     with router_at(dead, health_interval=0.2) as (base, router):
         deadline = time.monotonic() + 10
-        while any(r.healthy for r in router.replicas.values()):   # the health checks notice
+        while any(r.healthy for r in router.replicas.values()):  # the health checks notice
             assert time.monotonic() < deadline
             time.sleep(0.05)
         for path in ("/generate", "/v1/completions"):
@@ -316,18 +365,19 @@ def test_router_retries_a_dead_replica_and_takes_it_back(replicas):
     dead = f"http://127.0.0.1:{free_port()}"
     with router_at([dead, replicas[0]], "round_robin", health_interval=3600) as (base, router):
         deadline = time.monotonic() + 10
-        while router.replicas[dead].healthy:       # the first health check notices at once
+        while router.replicas[dead].healthy:  # the first health check notices at once
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert "connection refused" in router.replicas[dead].last_error
-        router.replicas[dead].healthy = True        # as if it died between two checks
+        router.replicas[dead].healthy = True  # as if it died between two checks
         # round robin picks the dead one first: connection refused, retried on the live one
         out = httpx.post(base + "/generate", json={"text": "Hi", "sampling_params": GREEDY}, timeout=60)
         assert out.status_code == 200 and len(out.json()["output_ids"]) == 4
         assert router.replicas[dead].routed == 1 and router.replicas[replicas[0]].routed == 1
         assert not router.replicas[dead].healthy and "ConnectError" in router.replicas[dead].last_error
-        stream = httpx.post(base + "/generate", json={"text": "Hi", "sampling_params": GREEDY, "stream": True},
-                            timeout=60)
+        stream = httpx.post(
+            base + "/generate", json={"text": "Hi", "sampling_params": GREEDY, "stream": True}, timeout=60
+        )
         assert stream.status_code == 200 and stream.text.rstrip().endswith("[DONE]")
         # the health check puts a replica that answers again back in rotation
         router.replicas[dead].healthy = False
@@ -351,14 +401,37 @@ async def _check_with_client(router: Router, replica) -> bool:
 def dp_serve(model: str, dp_size: int = 2):
     """`plait serve --dp-size N` in a subprocess, healthy; yields (process, base URL)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "plait.cli", "serve", "--model", model, "--port", str(port), "--dp-size",
-           str(dp_size), "--dtype", "float32", "--max-total-tokens", "4096", "--num-threads", "2",
-           "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "plait.cli",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--dp-size",
+        str(dp_size),
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "4096",
+        "--num-threads",
+        "2",
+        "--log-level",
+        "warning",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(proc, base, 300, "plait serve --dp-size")   # three servers load on a shared machine
+        wait_healthy(proc, base, 300, "plait serve --dp-size")  # three servers load on a shared machine
         yield proc, base
     finally:
         if proc.poll() is None:
@@ -375,7 +448,7 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    with open(f"/proc/{pid}/stat") as f:      # a zombie is dead too
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead too
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
@@ -397,7 +470,7 @@ def test_dp_serve_and_killing_a_replica_mid_load_loses_nothing(tiny_model_dirs):
                 while (await client.get("/get_server_info")).json()["replicas"][0]["in_flight"] < 4:
                     assert not task.done(), "the load ended before replica 0 had requests in flight"
                     await asyncio.sleep(0.02)
-            os.kill(pids[0], signal.SIGKILL)   # with requests in flight on it
+            os.kill(pids[0], signal.SIGKILL)  # with requests in flight on it
             return await task
 
         responses = asyncio.run(load_and_kill())
@@ -409,6 +482,6 @@ def test_dp_serve_and_killing_a_replica_mid_load_loses_nothing(tiny_model_dirs):
         assert httpx.get(base + "/health").status_code == 200
     assert proc.returncode is not None
     deadline = time.monotonic() + 10
-    while _alive(pids[1]):      # the surviving replica is stopped with the server
+    while _alive(pids[1]):  # the surviving replica is stopped with the server
         assert time.monotonic() < deadline, "replica outlived plait serve --dp-size"
         time.sleep(0.1)
