@@ -29,7 +29,7 @@ import msgspec
 from .managers.detokenizer import stop_holdback, trim_stop
 from .managers.scheduler_client import SchedulerClient
 from .model_executor.model_loader import load_config, load_tokenizer, read_chat_template, resolve_model
-from .output_check import schema_violation
+from .output_check import answer_part, schema_violation
 from .request import GenerateInput, TokenOutput
 from .sampling_params import SamplingParams
 from .server_args import ServerArgs
@@ -87,7 +87,8 @@ class RequestState:
             and self.params.json_schema is not None
             and not isinstance(reason.get("matched"), str)
         ):  # not cut by the caller's own stop string
-            problem = schema_violation(self.params.json_schema, self.text())
+            p = self.params
+            problem = schema_violation(p.json_schema, answer_part(self.text(), p.reasoning_start, p.reasoning_end))
             if problem is not None and self.resamples_left > 0:
                 # a keyword the grammar only approximated: another sample, not an error, while allowed
                 self._restart()

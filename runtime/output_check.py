@@ -39,3 +39,12 @@ def schema_violation(schema_text: str, text: str) -> str | None:
         f"{INVALID_OUTPUT}: the generated document breaks the schema's '{error.validator}' at {where}: "
         f"{error.message[:300]} (a keyword the grammar backend approximates; the document is withheld)"
     )
+
+
+def answer_part(text: str, start: str | None, end: str | None) -> str:
+    """The part of an output the constraint bound: after the reasoning section (`start` ... `end`,
+    see `SamplingParams.reasoning_end`), or all of it."""
+    if end is None or (start is not None and not text.lstrip().startswith(start)):
+        return text
+    at = text.find(end)
+    return text[at + len(end) :] if at >= 0 else text

@@ -81,6 +81,11 @@ class SamplingParams:
     # plait extensions: JSON output's length guards (None: the server's; 0: no bound)
     json_max_number_digits: int | None = None
     json_max_string_length: int | None = None
+    # plait extension, for reasoning models: the constraint binds once the output has written
+    # `reasoning_end` (e.g. "</think>"); with `reasoning_start` the section is optional, taken only
+    # when the output opens with that marker's first token
+    reasoning_start: str | None = None
+    reasoning_end: str | None = None
 
     def __post_init__(self) -> None:
         # None means "default" for every field (JSON clients send explicit nulls).
@@ -231,6 +236,12 @@ class SamplingParams:
             or not all(isinstance(c, str) and c for c in self.choices)
         ):
             raise ValueError("choices must be a non-empty list of non-empty strings")
+        for name in ("reasoning_start", "reasoning_end"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"{name} must be a non-empty string or None, got {v!r}")
+        if self.reasoning_start is not None and self.reasoning_end is None:
+            raise ValueError("reasoning_start needs reasoning_end")
         given = [n for n in (*_OPT_STR_FIELDS, "choices") if getattr(self, n) is not None]
         if len(given) > 1:
             raise ValueError(

@@ -21,15 +21,34 @@ class GrammarMaskMixin:
         return self._grammar_cache
 
     def _guarded(self, grammar, params):
-        """A matcher of `grammar` for a request, with the JSON length guards where it is JSON."""
+        """A matcher of `grammar` for a request, with the JSON length guards where it is JSON, bound
+        only after the reasoning section where the request has one (`reasoning_end`)."""
         from plait.grammar.json_guard import JsonLimits, guarded
+        from plait.grammar.reasoning_gate import ReasoningGate
 
         a = self.args
         limits = JsonLimits(
             a.json_max_number_digits if params.json_max_number_digits is None else params.json_max_number_digits,
             a.json_max_string_length if params.json_max_string_length is None else params.json_max_string_length,
         )
-        return guarded(grammar.matcher(), grammar.spec, self._grammar_info, limits, params.max_new_tokens)
+
+        def make(budget: int):
+            return guarded(grammar.matcher(), grammar.spec, self._grammar_info, limits, budget)
+
+        if params.reasoning_end is None:
+            return make(params.max_new_tokens)
+        start = self._marker_ids(params.reasoning_start)[0] if params.reasoning_start else None
+        end = self._marker_ids(params.reasoning_end)
+        return ReasoningGate(make, end, sorted(self.eos_ids), params.max_new_tokens, start)
+
+    def _marker_ids(self, text: str) -> list[int]:
+        """A reasoning marker's token ids (one special token on models that have it)."""
+        ids = self._markers.get(text)
+        if ids is None:
+            ids = self._markers[text] = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise ValueError(f"the reasoning marker {text!r} has no tokens")
+        return ids
 
     def _poll_grammars(self, outputs: list[TokenOutput]) -> None:
         """Move requests whose grammar is ready to the waiting queue; fail those whose compile failed."""

@@ -63,6 +63,7 @@ class Scheduler(SpeculationMixin, GrammarMaskMixin, LogprobsMixin):
         self._grammar_cache = None  # made on first use (imports a backend)
         self._bitmask = None
         self._full_bitmask = None  # batch-wide mask rows (see _apply_mask_rows)
+        self._markers: dict[str, list[int]] = {}  # reasoning marker text -> token ids
         self.running: list[Req] = []  # decoding
         self.chunked: Req | None = None  # mid-prefill, continues next step
         self._arrivals = 0

@@ -23,6 +23,7 @@ from .openai_tools import (
     tool_call_schema,
     tool_call_tags,
 )
+from .reasoning import reasoning_gate
 from .server_state import ServerState
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions API
@@ -54,6 +55,10 @@ CONSTRAINT_FIELDS = {
     "structural_tag": "structural_tag",
 }
 GRAMMAR_PARAMS = ("regex", "ebnf", "json_schema", "choices", "structural_tag")
+# SGLang's grammars over the whole output text: with a reasoning parser they still bind from the
+# first token (they may spell out the <think> section); every other constraint describes the
+# answer and binds after the section.
+RAW_GRAMMAR_FIELDS = frozenset({"regex", "ebnf"})
 # vLLM's `structured_outputs` object: its keys -> the sampling parameter (json_object: any object)
 STRUCTURED_OUTPUTS = {
     "json": "json_schema",
@@ -364,6 +369,10 @@ def parse_openai(state: ServerState, body: dict[str, Any], chat: bool) -> OpenAI
     base = _sampling(body, chat, plan)
     max_tokens = _max_tokens(body, chat)
     params = [{**base, "max_new_tokens": _default_max(state, p, max_tokens, chat)} for p in prompts]
+    parser = state.engine.args.reasoning_parser
+    if chat and parser and any(k in base for k in GRAMMAR_PARAMS) and not RAW_GRAMMAR_FIELDS & body.keys():
+        tail = state.engine.tokenizer.decode(prompts[0][-16:], skip_special_tokens=False)
+        params = [{**p, **reasoning_gate(parser, tail)} for p in params]
     n = typed_field(body, "n", is_int, "an int", 1)
     if not 1 <= n <= MAX_N:
         raise ApiError(400, f"n must be in [1, {MAX_N}], got {n}")

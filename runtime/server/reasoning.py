@@ -67,3 +67,16 @@ def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:
     if content == text and not reasoning:
         return None, text
     return reasoning or None, content or ""
+
+
+def reasoning_gate(parser: str, prompt_tail: str) -> dict[str, str]:
+    """The sampling params that bind a constrained chat request's grammar only after its reasoning
+    section, from the end of its rendered prompt: none when the prompt already closed the section
+    (Qwen3 with `enable_thinking: false`), the end marker when it opened it (DeepSeek-R1's
+    generation prompt), both markers when the model may open one itself (Qwen3)."""
+    tail = prompt_tail.rstrip()
+    if tail.endswith(THINK_CLOSE):
+        return {}
+    if parser == "deepseek-r1" or tail.endswith(THINK_OPEN):
+        return {"reasoning_end": THINK_CLOSE}
+    return {"reasoning_start": THINK_OPEN, "reasoning_end": THINK_CLOSE}

@@ -8,6 +8,7 @@ import json
 
 import httpx
 import pytest
+import torch
 from conftest import serve
 
 from plait.runtime.server.reasoning import ReasoningStream, split_reasoning
@@ -105,3 +106,96 @@ def test_streamed_reasoning_deltas(base):
 def test_separate_reasoning_must_be_a_bool(base):
     r = httpx.post(f"{base}/v1/chat/completions", json=_body(separate_reasoning="no"))
     assert r.status_code == 400 and "separate_reasoning" in r.text
+
+
+# --- the format binds after the reasoning section ----------------------------------------------
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+TEMPLATE = (  # Qwen3's shape: no thinking writes an empty section into the generation prompt
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory, smollm2_path):
+    """A tiny Qwen3 with `<think>` / `</think>` tokens whose greedy choice is always `</think>`,
+    else `<think>`, else what its random weights say: its layers add nothing to the embeddings,
+    which share one direction that only those two tokens' output rows read."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+
+    folder = tmp_path_factory.mktemp("tiny-thinker")
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    tok.add_tokens(["<think>", "</think>"])
+    cfg = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    think, end = tok.convert_tokens_to_ids(["<think>", "</think>"])
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[end, 0], model.lm_head.weight[think, 0] = 10.0, 8.0
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+def _thinker_answer(folder, parser, **body):
+    import plait
+    from plait.runtime.server.http_server import create_app
+
+    with plait.Engine(model=folder, reasoning_parser=parser, chat_template=TEMPLATE, max_total_tokens=2048) as eng:
+        with serve(create_app(eng, served_model_name="tiny")) as url:
+            r = httpx.post(
+                f"{url}/v1/chat/completions",
+                json={
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": "Hi"}],
+                    "max_tokens": 48,
+                    "temperature": 0,
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},
+                    **body,
+                },
+                timeout=120,
+            )
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek-r1"])
+def test_format_binds_after_the_reasoning_section(thinker, parser):
+    """The model writes its section (`</think>` is its greedy pick; qwen3 opens it with `<think>`,
+    the one marker the format's first mask adds), then the document under the schema."""
+    import jsonschema
+
+    choice = _thinker_answer(thinker, parser, separate_reasoning=False)
+    text = choice["message"]["content"]
+    head = "<think></think>" if parser == "qwen3" else "</think>"
+    assert text.startswith(head), text
+    jsonschema.validate(json.loads(text[len(head) :]), SCHEMA)
+    assert choice["finish_reason"] == "stop"
+
+
+def test_no_gate_when_the_prompt_closed_the_section(thinker):
+    """enable_thinking false: the template wrote an empty section, so the schema binds at once."""
+    import jsonschema
+
+    choice = _thinker_answer(thinker, "qwen3", chat_template_kwargs={"enable_thinking": False})
+    jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+    assert "reasoning_content" not in choice["message"]
