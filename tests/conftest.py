@@ -31,7 +31,7 @@ def smollm2_path() -> str:
 
 
 def _tiny_config(arch: str, vocab_size: int):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -65,10 +65,43 @@ def _tiny_config(arch: str, vocab_size: int):
         return Qwen2Config(**common, tie_word_embeddings=False, rope_theta=1000000.0)
     if arch == "qwen3":
         return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, rope_theta=1000000.0)
+    if arch == "phi3":  # Phi-4-mini's shape: longrope, partial rotary; a short original context so
+        # that prompts longer than 8 tokens run on the long factors
+        rotary_pairs = 6  # head_dim 16 * 0.75 / 2
+        return Phi3Config(
+            **common,
+            tie_word_embeddings=False,
+            original_max_position_embeddings=8,
+            partial_rotary_factor=0.75,
+            rope_scaling={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0 + 0.1 * i for i in range(rotary_pairs)],
+                "long_factor": [2.0 + 3.0 * i for i in range(rotary_pairs)],
+            },
+        )
+    # Gemma: a sliding layer then a global one, a window of 8 (shorter than the test prompts), a
+    # query_pre_attn_scalar apart from head_dim, and caps low enough that tanh bends the values
+    gemma = dict(
+        common,
+        head_dim=16,
+        sliding_window=8,
+        query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    if arch == "gemma2":
+        return Gemma2Config(**gemma, attn_logit_softcapping=5.0, final_logit_softcapping=10.0)
+    if arch == "gemma3":
+        rope = {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        }
+        return Gemma3TextConfig(**gemma, rope_parameters=rope, final_logit_softcapping=10.0)
     raise ValueError(arch)
 
 
-TINY_ARCHS = ("llama", "llama3-rope", "qwen2", "qwen3")
+TINY_ARCHS = ("llama", "llama3-rope", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 
 
 @pytest.fixture(scope="session")
@@ -85,6 +118,11 @@ def tiny_model_dirs(tmp_path_factory, smollm2_path) -> dict[str, str]:
             with torch.no_grad():  # random, non-zero biases so that their mapping is tested
                 for name, p in model.named_parameters():
                     if name.endswith("bias"):
+                        p.normal_(0, 0.2)
+        if arch.startswith("gemma"):
+            with torch.no_grad():  # Gemma's norms start at 0 (they scale by 1 + weight): random ones
+                for name, p in model.named_parameters():
+                    if "norm" in name:
                         p.normal_(0, 0.2)
         model.save_pretrained(folder, safe_serialization=True)
         for name in TOKENIZER_FILES:

@@ -9,6 +9,11 @@ each request's context read through the request-to-token table.
   through the fused `cpu_kernels.decode_attention` (SDPA where the kernels are not built).
 - `FlashAttnVarlen` (CUDA, when `flash_attn` is importable): unpadded varlen kernels.
 
+A layer that asks for logit soft-capping or a sliding window (Gemma 2 / 3) always takes
+`TorchNativeAttention`'s gathered path, in every backend, with the cap and a position mask of the
+window applied in eager ops: the fused kernels, the decode mirror and flash-attn run neither.
+Every key stays in the pool (a window only masks), so the prefix cache and paging are unchanged.
+
 `make_attention_backend(pool, device)` picks one.
 """
 
@@ -22,7 +27,7 @@ import torch.nn.functional as F
 from ..kernels.cpu import cpu_kernels
 from ..mem_cache.decode_mirror import DecodeMirror, MirrorPlan
 from ..mem_cache.memory_pool import FP8_DTYPES, KVPool, index_select_bits
-from .forward_batch import AttnGroup, ForwardBatch
+from .forward_batch import AttnGroup, ForwardBatch, cached_arange
 
 
 def sdpa_dtype(kv_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -36,13 +41,23 @@ def sdpa_dtype(kv_dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 
 class AttentionBackend:
-    """`forward(q, k, v, layer_id, batch, scale)`: q `[T, H, D]`, k/v `[T, KVH, D]` -> `[T, H*D]`."""
+    """`forward(q, k, v, layer_id, batch, scale)`: q `[T, H, D]`, k/v `[T, KVH, D]` -> `[T, H*D]`.
+    Optional `softcap` (scores -> softcap * tanh(scores / softcap)) and `window` (a query at
+    position p sees keys at positions > p - window) where the backend takes them."""
 
     def __init__(self, pool: KVPool):
         self.pool = pool
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: ForwardBatch,
+        scale: float,
+        softcap: float | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -58,13 +73,37 @@ class TorchNativeAttention(AttentionBackend):
         self._masks: list[torch.Tensor | None] = []
         self._scratch: dict[str, torch.Tensor] = {}
         self._begun: ForwardBatch | None = None
+        self._window_masks: dict[tuple[int, int], torch.Tensor] = {}
 
-    def forward(self, q, k, v, layer_id, batch, scale):
+    def forward(self, q, k, v, layer_id, batch, scale, softcap=None, window=None):
         if batch is self._begun:  # the model began this step already
             self._begun = None
         elif layer_id == 0 or batch is not self._batch:
             self._begin(batch)
-        return self._forward(q, k, v, layer_id, batch, scale)
+        if softcap is None and window is None:
+            return self._forward(q, k, v, layer_id, batch, scale)
+        # the eager fallback: whatever the subclass, no mirror, kernel or flash-attn for this layer
+        k, v = k.to(self.kv_dtype), v.to(self.kv_dtype)
+        self.pool.write(layer_id, batch.out_cache_loc, k, v)
+        outs = []
+        for i, g in enumerate(batch.groups):
+            mask = self._masks[i] if window is None else self._window_mask(i, g, window)
+            outs.append(self._attend_gathered(q[g.start : g.end], layer_id, g, mask, scale, softcap))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _window_mask(self, i: int, g: AttnGroup, window: int) -> torch.Tensor:
+        """Group i's additive mask for a sliding window, made once per step: query i of request b
+        (position prefix_b + i; padding queries clamped to the last real one) sees keys j with
+        position - window < j <= position."""
+        key = (i, window)
+        if key not in self._window_masks:
+            pre, ext = g.prefix_lens, g.seq_lens - g.prefix_lens
+            q_eff = torch.minimum(cached_arange(g.max_q, pre.device)[None, :], (ext - 1)[:, None])
+            pos = (pre[:, None] + q_eff)[:, None, :, None]  # [bsz, 1, max_q, 1]
+            j = cached_arange(g.max_kv, pre.device)
+            keep = (j <= pos) & (j > pos - window)
+            self._window_masks[key] = _additive(keep.to(g.kv_indices.device), self.sdpa_dtype)
+        return self._window_masks[key]
 
     def _forward(self, q, k, v, layer_id, batch, scale):
         k, v = k.to(self.kv_dtype), v.to(self.kv_dtype)
@@ -75,6 +114,7 @@ class TorchNativeAttention(AttentionBackend):
     def _begin(self, batch: ForwardBatch) -> None:
         """Once per step: what every layer shares."""
         self._batch = batch
+        self._window_masks = {}
         self._masks = [None if g.attn_mask is None else _additive(g.attn_mask, self.sdpa_dtype) for g in batch.groups]
 
     def _attend_group(self, i: int, g: AttnGroup, q, k, v, layer_id: int, scale: float) -> torch.Tensor:
@@ -92,7 +132,13 @@ class TorchNativeAttention(AttentionBackend):
         return buf[:numel].view(shape)
 
     def _attend_gathered(
-        self, q: torch.Tensor, layer_id: int, g: AttnGroup, mask: torch.Tensor | None, scale: float
+        self,
+        q: torch.Tensor,
+        layer_id: int,
+        g: AttnGroup,
+        mask: torch.Tensor | None,
+        scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         num_heads, head_dim = q.shape[1], q.shape[2]
         pool_k, pool_v = self.pool.k[layer_id], self.pool.v[layer_id]
@@ -110,9 +156,12 @@ class TorchNativeAttention(AttentionBackend):
             qp = self._buffer("q", (g.bsz * g.max_q, num_heads, head_dim), q.dtype, q.device).zero_()
             qp[g.q_scatter] = q
             qp = qp.view(g.bsz, g.max_q, num_heads, head_dim)
-        out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), keys, values, attn_mask=mask, scale=scale, enable_gqa=num_heads != kv_heads
-        )
+        if softcap is None:
+            out = F.scaled_dot_product_attention(
+                qp.transpose(1, 2), keys, values, attn_mask=mask, scale=scale, enable_gqa=num_heads != kv_heads
+            )
+        else:
+            out = _softcapped_attention(qp.transpose(1, 2), keys, values, mask, scale, softcap)
         out = out.transpose(1, 2).reshape(g.bsz * g.max_q, num_heads * head_dim)
         out = out if g.q_scatter is None else out[g.q_scatter]
         return out.to(dtype)
@@ -272,6 +321,20 @@ def default_mirror_budget(pool: KVPool) -> int:
     pool_bytes = sum(t.numel() * t.element_size() for t in pool.k + pool.v)
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return min(pool_bytes, max(available - pool_bytes, 0) // 2)
+
+
+def _softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float
+) -> torch.Tensor:
+    """Attention with Gemma 2's logit soft-capping, in HF's order (scale, cap, mask, float32
+    softmax): q `[B, H, Q, D]`, k/v `[B, KVH, K, D]`, additive mask `[B, 1, Q, K]`. SDPA has no cap."""
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * scale / softcap) * softcap
+    if mask is not None:
+        scores = scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

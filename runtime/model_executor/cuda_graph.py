@@ -276,6 +276,9 @@ def make_decode_graph_runner(runner: ModelRunner) -> DecodeGraphRunner | None:
     args = runner.args
     if args.disable_cuda_graph or args.tp_size > 1 or args.enable_torch_compile:
         return None
+    if any(getattr(layer.self_attn, "mask_kwargs", None) for layer in runner.model.layers):
+        return None  # soft-capped / windowed layers (Gemma): StaticDecodeAttention runs neither
+
     if runner.device.type != "cuda" and not args.cuda_graph_eager:
         return None
     max_bs = args.cuda_graph_max_bs or min(args.max_running_requests, DEFAULT_MAX_BS)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from .gemma import GemmaForCausalLM
 from .llama import LlamaForCausalLM
+from .phi3 import Phi3ForCausalLM
 
 MODEL_REGISTRY = {
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
 }

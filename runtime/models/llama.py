@@ -25,36 +25,59 @@ from ..model_executor.attention import AttentionBackend
 from ..model_executor.forward_batch import ForwardBatch
 
 
-def rope_parameters(config) -> dict:
-    """RoPE settings across transformers versions (`rope_parameters` in 5.x, `rope_scaling` before)."""
+def rope_parameters(config, layer_type: str | None = None) -> dict:
+    """RoPE settings across transformers versions (`rope_parameters` in 5.x, `rope_scaling` before);
+    with `layer_type`, that type's own where the config keeps them per type (Gemma 3)."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
+    elif layer_type == "sliding_attention" and getattr(config, "rope_local_base_freq", None):
+        params = {"rope_type": "default", "rope_theta": config.rope_local_base_freq}  # Gemma 3, transformers 4.x
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params.setdefault("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
+    if params["rope_type"] == "su":  # Phi-3's early name for longrope
+        params["rope_type"] = "longrope"
     return params
 
 
-def rope_cos_sin(config, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables `[max_positions, head_dim]` in float32, as HF computes them."""
-    params = rope_parameters(config)
+def rope_cos_sin(
+    config, head_dim: int, max_positions: int, layer_type: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables `[max_positions, rotary_dim]` in float32, as HF computes them (rotary_dim <
+    head_dim under a `partial_rotary_factor`).
+
+    longrope (Phi-3): HF picks the long factors for a whole forward when the sequence outgrows
+    `original_max_position_embeddings`, the short ones otherwise, and recomputes the cache when a
+    sequence crosses. A paged, prefix-shared cache cannot re-rotate keys already stored, so (as vLLM)
+    the choice is fixed at load from the served context: long factors when `max_positions` exceeds
+    the original length, short ones otherwise; the attention factor scales both."""
+    params = rope_parameters(config, layer_type)
     if params["rope_type"] == "default":
         base = params["rope_theta"]
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        dim = int(head_dim * params["partial_rotary_factor"])
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         scaling = 1.0
     else:
-        # llama3 / linear / yarn ...: reuse transformers' own definitions of the frequencies.
+        # llama3 / linear / yarn / longrope ...: reuse transformers' own definitions of the frequencies.
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, None)
+        seq_len = max_positions if params["rope_type"] == "longrope" else None
+        per_type = {"layer_type": layer_type} if layer_type in (getattr(config, "rope_parameters", None) or {}) else {}
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, None, seq_len=seq_len, **per_type)
     freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * scaling, emb.sin() * scaling
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x `[T, H, D]`, cos/sin `[T, 1, D]`: rotate-half RoPE (HF layout)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """x `[T, H, D]`, cos/sin `[T, 1, R]`: rotate-half RoPE (HF layout) on the first R <= D dims."""
+    rot = cos.shape[-1]
+    part = x[..., :rot]
+    half = rot // 2
+    rotated = torch.cat((-part[..., half:], part[..., :half]), dim=-1)
+    out = part * cos + rotated * sin
+    return out if rot == x.shape[-1] else torch.cat((out, x[..., rot:]), dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -74,6 +97,9 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Self-attention over this rank's heads (all of them at tp_size 1); KV heads are replicated
     on several ranks when there are fewer of them than ranks."""
+
+    # soft-capping / sliding window for the backend (Gemma): {} keeps the backend's fast paths
+    mask_kwargs: dict = {}
 
     def __init__(self, config, layer_id: int):
         super().__init__()
@@ -96,6 +122,9 @@ class Attention(nn.Module):
         )
         self.o_proj = RowParallelLinear(total_heads * d, config.hidden_size, shard=q_rows)
         self.qk_norm = config.model_type == "qwen3"
+        # partial rotary (Phi-4-mini): only the first rotary_dim dims of each head turn
+        self.rotary_dim = int(d * rope_parameters(config)["partial_rotary_factor"])
+        self.eager_rope = self.qk_norm or self.rotary_dim != d
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -105,10 +134,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """cos/sin: float32 `[T, head_dim]` at the tokens' positions."""
         qkv = self.qkv_proj(x)
-        if self.qk_norm:
+        if self.eager_rope:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
-            k = self.k_norm(k.reshape(-1, self.kv_heads, self.head_dim))
+            q = q.reshape(-1, self.num_heads, self.head_dim)
+            k = k.reshape(-1, self.kv_heads, self.head_dim)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
             c, s = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
             q, k = apply_rope(q, c, s), apply_rope(k, c, s)
             v = v.reshape(-1, self.kv_heads, self.head_dim)
@@ -116,7 +147,7 @@ class Attention(nn.Module):
             cpu_kernels.rope_(qkv, cos, sin, self.num_heads + self.kv_heads, self.head_dim)
             heads = qkv.view(-1, self.num_heads + 2 * self.kv_heads, self.head_dim)
             q, k, v = heads[:, : self.num_heads], heads[:, self.num_heads : -self.kv_heads], heads[:, -self.kv_heads :]
-        return self.o_proj(backend.forward(q, k, v, self.layer_id, batch, self.scale))
+        return self.o_proj(backend.forward(q, k, v, self.layer_id, batch, self.scale, **self.mask_kwargs))
 
 
 class MLP(nn.Module):
@@ -150,30 +181,45 @@ class LlamaForCausalLM(nn.Module):
     """Decoder-only LM over the paged KV pool. `forward` returns logits at `batch.logits_index`
     (on rank 0; None on the other tensor-parallel ranks)."""
 
+    layer_class: type = DecoderLayer
+    norm_class: type = RMSNorm
+
     def __init__(self, config, max_positions: int | None = None):
         super().__init__()
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_hidden_layers))
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size, tied=self.embed_tokens if self.tie_word_embeddings else None
         )
         head_dim = self.layers[0].self_attn.head_dim
-        cos, sin = rope_cos_sin(config, head_dim, max_positions or config.max_position_embeddings)
+        cos, sin = self._rope_tables(config, head_dim, max_positions or config.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self._decode_plans: dict[tuple[int, torch.dtype], tuple | None] = {}
         self._decode_handles: dict[tuple[int, torch.dtype], tuple] = {}  # (blocks' key, DecodePlan)
+
+    def _rope_tables(self, config, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `rope_cos` / `rope_sin` buffers: `[max_positions, rotary_dim]` here."""
+        return rope_cos_sin(config, head_dim, max_positions)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor | None:
         fused = None if batch.keep_hidden else self._begin_fused_decode(batch, backend)
         if fused is not None and fused[2] and batch.logits_all:  # token ids to logits in one op
             return cpu_kernels.ops.decode_step(batch.input_ids, batch.positions, fused[0], *fused[1])
-        x, delta = self.embed_tokens(batch.input_ids), None
-        cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
+        x, delta = self._embed(batch.input_ids), None
+        # (tables `[types, positions, dim]` index positions on their second axis)
+        pos = batch.positions if self.rope_cos.dim() == 2 else (slice(None), batch.positions)
+        cos, sin = self.rope_cos[pos], self.rope_sin[pos]
         if fused is not None:
             delta = cpu_kernels.ops.decode_layers_(x, fused[0], cos, sin, *fused[1])
         else:
@@ -186,7 +232,7 @@ class LlamaForCausalLM(nn.Module):
             hidden = self.norm(x.index_select(0, idx), delta.index_select(0, idx))
         if batch.keep_hidden:
             self.last_hidden = hidden  # read right after this step by the scheduler (embeddings)
-        return self.lm_head(hidden)
+        return self._head(hidden)
 
     def _begin_fused_decode(self, batch: ForwardBatch, backend: AttentionBackend) -> tuple | None:
         """A steady decode step runs its layers in one `cpu_kernels.decode_layers_` call (the kernels
@@ -265,7 +311,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if attn.qk_norm or any(w.dtype != dtype for w in norms):
+            if attn.eager_rope or any(w.dtype != dtype for w in norms):
                 return None
             specs = []
             for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):

@@ -22,6 +22,8 @@ from plait.runtime.server_args import ServerArgs
 # host with AMX, less on AMD Zen, so a fixed bound tuned on one CPU failed on the next.
 TOL = 1e-4
 PACKED_TOL = 5e-4
+# the families added after Llama / Qwen / Mistral, also checked against HF `generate`
+NEW_FAMILIES = ("phi3", "gemma2", "gemma3")
 
 
 class Harness:
@@ -248,3 +250,31 @@ def test_packed_linear_float32_rows(rows, bias, small_gemm, monkeypatch):
         torch.testing.assert_close(lin(x[None]), torch.nn.functional.linear(x, w, b)[None], atol=1e-5, rtol=1e-5)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_phi3_short_factors_within_the_original_context(tiny_model_dirs, prompts):
+    """Served at a context no longer than `original_max_position_embeddings` (8), longrope runs on its
+    short factors, as HF does for sequences that fit that length."""
+    path = tiny_model_dirs["phi3"]
+    h = Harness(path, context_length=8)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = prompts[0][:8]
+    got = h.step([(h.new_row(), ids)])[0]
+    assert (got - hf_logits(hf, ids)).abs().max() < TOL
+
+
+@pytest.mark.parametrize("arch", NEW_FAMILIES)
+def test_greedy_equals_hf_generate(arch, tiny_model_dirs, prompts):
+    """Prefill then one-token decode steps, greedy: the ids HF `generate` picks."""
+    path, new = tiny_model_dirs[arch], 12
+    h = Harness(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = prompts[0]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, min_new_tokens=new)[0]
+    row, out = h.new_row(), []
+    logits = h.step([(row, ids)])[0]
+    for _ in range(new):
+        out.append(int(logits[-1].argmax()))
+        logits = h.step([(row, [out[-1]])])[0]
+    assert out == ref[len(ids) :].tolist()
