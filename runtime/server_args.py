@@ -16,6 +16,8 @@ GRAMMAR_BACKENDS = ("auto", "xgrammar", "llguidance", "outlines")
 QUANTIZATIONS = ("int8", "int4", "fp8")
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")
 REASONING_PARSERS = ("qwen3", "deepseek-r1")  # <think> ... </think> (runtime/server/reasoning.py)
+# --tool-call-parser's (runtime/server/tool_parsers.py; SGLang's and vLLM's names)
+TOOL_CALL_PARSERS = ("auto", "hermes", "qwen25", "qwen", "llama3", "llama3_json", "mistral", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 PYTHON_ONLY = ("cuda_graph_eager",)  # fields with no `plait serve` flag (tests and debugging)
 
@@ -59,6 +61,15 @@ class ServerArgs:
         "deltas): qwen3 (a section when the output opens one), deepseek-r1 (the prompt opened it). Per request: "
         "separate_reasoning false keeps it in the content",
         REASONING_PARSERS,
+    )
+    tool_call_parser: str = option(
+        "auto",
+        "how the model writes tool calls, for chat tools with tool_choice auto (each call it opens is "
+        "held to the tools' schemas, then read into tool_calls): hermes / qwen25 (<tool_call> blocks), "
+        "llama3 / llama3_json (a bare {name, parameters} JSON), mistral ([TOOL_CALLS][...]), json (plain "
+        "JSON or <tool_call> blocks read back, no grammar); auto: the chat template's (hermes where it "
+        "does not render tools: plait's tools block asks for hermes calls)",
+        TOOL_CALL_PARSERS,
     )
     chat_template: str | None = option(
         None, "a chat template replacing the model's: the path of a Jinja file, or the template itself"
@@ -173,6 +184,10 @@ class ServerArgs:
             raise ValueError(
                 f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} (or unset), "
                 f"got {self.reasoning_parser!r}"
+            )
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}"
             )
         if self.speculative_algorithm not in (None, *SPECULATIVE_ALGORITHMS):
             raise ValueError(

@@ -133,6 +133,55 @@ def tiny_model_dirs(tmp_path_factory, smollm2_path) -> dict[str, str]:
     return out
 
 
+def one_track_model(folder: str, smollm2_path: str, favourites: dict[str, float]) -> str:
+    """A tiny Qwen3 with the tokens `favourites` added, whose every next-token logit is the same
+    but theirs (`favourites[token]` above the rest): its layers add nothing to the embeddings, which
+    share one direction that only those tokens' output rows read. Greedy, it writes the first
+    favourite its constraint allows, else what its random weights say. Saved to `folder`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    tok.add_tokens(list(favourites))
+    cfg = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        model.lm_head.weight[:, 0] = 0.0
+        for token, logit in favourites.items():
+            model.lm_head.weight[tok.convert_tokens_to_ids(token), 0] = logit
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def reassemble_tool_calls(deltas: list[dict]) -> dict[int, dict]:
+    """Streamed chat deltas -> {index: {"name", "arguments"}}, as a client adds them up."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        for c in d.get("tool_calls", []):
+            call = calls.setdefault(c["index"], {"name": "", "arguments": ""})
+            call["name"] += c["function"].get("name", "")
+            call["arguments"] += c["function"].get("arguments", "")
+    return calls
+
+
 def require_kernels(march: str | None = None) -> None:
     """Build the fused CPU kernels for `march` (default: the configured path); skip the test with
     the reason where they are not wanted or there is no compiler; fail where a build failed."""

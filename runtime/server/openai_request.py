@@ -14,7 +14,7 @@ from .api_schema import MAX_TOP_LOGPROBS
 from .http_common import ApiError, is_int
 from .openai_fields import is_bool, require_schema, typed_field
 from .openai_tools import (
-    TOOL_OPEN,
+    MAX_WHITESPACE,
     ToolPlan,
     parse_tools,
     render_chat,
@@ -25,6 +25,7 @@ from .openai_tools import (
 )
 from .reasoning import reasoning_gate
 from .server_state import ServerState
+from .tool_parsers import tool_call_format
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions API
 # OpenAI-side name -> sampling parameter, for the extensions passed through.
@@ -280,7 +281,7 @@ def _auto_tool_format(plan: ToolPlan, other: tuple[str, str, Any] | None) -> dic
         raise ApiError(
             400, f"tools with tool_choice 'auto' combine with a JSON-schema response_format only, not with {other[0]}"
         )
-    doc = {"type": "json_schema", "json_schema": json.loads(other[2])}
+    doc = {"type": "json_schema", "json_schema": json.loads(other[2]), "max_whitespace_cnt": MAX_WHITESPACE}
     return {
         "type": "structural_tag",
         "format": {"type": "or", "elements": [doc, tool_call_tags(plan, at_least_one=True)]},
@@ -356,7 +357,7 @@ def parse_openai(state: ServerState, body: dict[str, Any], chat: bool) -> OpenAI
         plan = parse_tools(body)
         if plan is not None:
             source = template_source(state.engine.tokenizer)
-            plan.tagged = "tools" not in source or TOOL_OPEN in source  # our Hermes block, or the template's
+            plan.fmt = tool_call_format(state.engine.args.tool_call_parser, source)
         prompts: list[str | list[int]] = [
             render_chat(
                 state.engine.tokenizer, body.get("messages"), plan.tools if plan else None, template_kwargs(body)

@@ -88,7 +88,7 @@ def _answer(req: OpenAIRequest, text: str, reason: str) -> tuple[dict[str, Any],
         if calls:
             content = None
     elif plan is not None:
-        content, calls = parse_tool_calls(text, plan.names)
+        content, calls = parse_tool_calls(text, plan.names, plan.fmt)
     if not calls:
         return {"role": "assistant", "content": text}, reason
     return {"role": "assistant", "content": content, "tool_calls": tool_call_objects(calls)}, "tool_calls"

@@ -1,14 +1,14 @@
 """Tool calling (chat): `tools` are rendered into the prompt by the chat template when it knows tools,
 else by a Hermes-style system block (`<tools>` ... `<tool_call>{"name", "arguments"}</tool_call>`).
 `tool_choice` "auto" (the default with tools) lets the model answer or call: its output is parsed
-for `<tool_call>` blocks or a bare `{"name", "arguments"}` JSON, and where calls are `<tool_call>`
-blocks (our Hermes block, or a template that writes them) a structural tag holds each call the
-model opens to the offered tools' schemas (one call if `parallel_tool_calls` is false; with a
-JSON-schema response_format, the answer is that document or text with a call); "required" constrains the output
-to a call of one of the tools (an array of calls with `parallel_tool_calls: true`); a named
-function constrains it to that function's arguments; "none" offers no tools. Calls come back as
-`message.tool_calls` with finish_reason "tool_calls"; streamed, a call held by a grammar comes as
-OpenAI sends it (id and name, then its arguments in pieces as they are written).
+for calls in the model family's format (`tool_parsers.py`: Hermes, Llama 3, Mistral, or plain
+JSON), and a structural tag holds each call the model opens to the offered tools' schemas (one
+call if `parallel_tool_calls` is false; with a JSON-schema response_format, the answer is that
+document or text with a call); "required" constrains the output to a call of one of the tools (an
+array of calls with `parallel_tool_calls: true`); a named function constrains it to that
+function's arguments; "none" offers no tools. Calls come back as `message.tool_calls` with
+finish_reason "tool_calls"; streamed, a call held by a grammar comes as OpenAI sends it (id and
+name, then its arguments in pieces as they are written).
 """
 
 from __future__ import annotations
@@ -19,11 +19,15 @@ from typing import Any
 
 from .http_common import ApiError
 from .openai_fields import CHAT_ROLES, content_text, is_bool, require_schema, typed_field
+from .tool_parsers import HERMES, ToolCallFormat
 
 TOOL_CHOICES = ("none", "auto", "required")
 TOOL_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
-TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+TOOL_OPEN, TOOL_CLOSE = HERMES.open, HERMES.close
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+# A call's JSON (xgrammar's structural tag) allows any whitespace between tokens: a small model can
+# write newlines until max_tokens. A run this long still lets a model indent a nested call.
+MAX_WHITESPACE = 16
 # The tools block for chat templates that do not render tools themselves (Qwen2.5's wording, so
 # the call format is the common Hermes one that parse_tool_calls reads back).
 TOOLS_SYSTEM_PROMPT = """# Tools
@@ -50,7 +54,7 @@ class ToolPlan:
     named: str | None = None  # the function of a named tool_choice
     parallel: bool = False  # "required": an array of one or more calls
     parallel_tool_calls: bool | None = None  # as the request gave it (None: OpenAI's default, true)
-    tagged: bool = False  # the template writes calls as <tool_call> blocks (Hermes)
+    fmt: ToolCallFormat = HERMES  # how the model writes calls (--tool-call-parser, or the template's)
 
     @property
     def names(self) -> list[str]:
@@ -63,27 +67,37 @@ class ToolPlan:
         raise KeyError(name)
 
     @property
+    def tagged(self) -> bool:
+        """Auto mode holds each call the model opens to the tools' schemas (a structural tag)."""
+        return self.fmt.constrained
+
+    @property
     def constrained(self) -> bool:
         """The output is forced to be a call (a grammar), not parsed out of free text."""
         return self.choice in ("required", "named")
 
 
 def tool_call_tags(plan: ToolPlan, at_least_one: bool = False) -> dict[str, Any]:
-    """The triggered-tags format of auto mode: free text, but once the model writes `<tool_call>`
-    the call's JSON is held to one of the tools' schemas until `</tool_call>`; one call only when
-    `parallel_tool_calls` is false."""
+    """The triggered-tags format of auto mode: free text, but once the model starts a call (in its
+    format: `<tool_call>`, `[TOOL_CALLS]`, Llama 3's `{"name": `) the call's JSON is held to one of
+    the tools' schemas until its end; one call only when `parallel_tool_calls` is false."""
+    fmt = plan.fmt
     tags = [
         {
             "type": "tag",
-            "begin": f'{TOOL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": ',
-            "content": {"type": "json_schema", "json_schema": plan.parameters(name)},
-            "end": f"}}\n{TOOL_CLOSE}",
+            "begin": fmt.begin(name),
+            "content": {
+                "type": "json_schema",
+                "json_schema": plan.parameters(name),
+                "max_whitespace_cnt": MAX_WHITESPACE,
+            },
+            "end": fmt.end,
         }
         for name in plan.names
     ]
     return {
         "type": "triggered_tags",
-        "triggers": [TOOL_OPEN],
+        "triggers": [fmt.trigger],
         "tags": tags,
         "at_least_one": at_least_one,
         "stop_after_first": plan.parallel_tool_calls is False,

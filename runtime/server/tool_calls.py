@@ -9,7 +9,10 @@ import re
 import uuid
 from typing import Any
 
-from .openai_tools import TOOL_CLOSE, TOOL_OPEN, ToolPlan
+from .openai_tools import ToolPlan
+from .tool_parsers import HERMES, PYTHON_TAG, ToolCallFormat
+
+_JSON = json.JSONDecoder()
 
 
 # --- reading tool calls back ------------------------------------------------------------------
@@ -34,32 +37,46 @@ def _call_from(obj: Any, names: list[str]) -> dict[str, str] | None:
 
 
 def _calls_in_json(text: str, names: list[str]) -> list[dict[str, str]] | None:
-    """The call(s) in a JSON value at the start of `text` (trailing text is ignored); None unless
-    every element is a call of a known tool."""
-    try:
-        value, _ = json.JSONDecoder().raw_decode(text.strip())
-    except ValueError:
-        return None
-    items = value if isinstance(value, list) else [value]
-    calls = [_call_from(v, names) for v in items]
+    """The call(s) in the JSON value(s) at the start of `text`: one value, a list of calls, or
+    values separated by `;` (as Llama 3 writes several); trailing text is ignored. None unless every
+    element is a call of a known tool."""
+    values: list[Any] = []
+    pos = len(text) - len(text.lstrip())
+    while True:
+        try:
+            value, pos = _JSON.raw_decode(text, pos)
+        except ValueError:  # malformed, or cut off by max_tokens
+            return None
+        values += value if isinstance(value, list) else [value]
+        rest = text[pos:].lstrip()
+        if not rest.startswith(";") or not rest[1:].strip():
+            break
+        rest = rest[1:].lstrip()
+        pos = len(text) - len(rest)
+    calls = [_call_from(v, names) for v in values]
     return calls if calls and all(calls) else None  # type: ignore[return-value]
 
 
-def parse_tool_calls(text: str, names: list[str]) -> tuple[str | None, list[dict[str, str]]]:
-    """A free-text answer -> (content, calls): `<tool_call>{...}</tool_call>` blocks (the content
-    is the text before the first), or the whole text being a call object / a list of them. No
-    calls found (or a malformed one): (text, [])."""
-    start = text.find(TOOL_OPEN)
+def parse_tool_calls(
+    text: str, names: list[str], fmt: ToolCallFormat = HERMES
+) -> tuple[str | None, list[dict[str, str]]]:
+    """A free-text answer -> (content, calls): the calls after the format's opening text (Hermes'
+    `<tool_call>` blocks, Mistral's `[TOOL_CALLS]` array; the content is the text before the first),
+    or the whole text being call JSON (Llama 3's way, after `<|python_tag|>` at times). No calls
+    found (or a malformed one): (text, [])."""
+    start = text.find(fmt.open) if fmt.open else -1
     if start >= 0:
         calls = []
-        for block in text[start:].split(TOOL_OPEN)[1:]:
-            found = _calls_in_json(block.split(TOOL_CLOSE, 1)[0], names)
+        for block in text[start:].split(fmt.open)[1:]:
+            found = _calls_in_json(block.split(fmt.close, 1)[0] if fmt.close else block, names)
             if found is None:
                 return text, []
             calls += found
         return (text[:start].strip() or None), calls
-    if text.lstrip().startswith(("{", "[")):
-        found = _calls_in_json(text, names)
+    body = text.lstrip()
+    body = body[len(PYTHON_TAG) :] if body.startswith(PYTHON_TAG) else body
+    if body.lstrip().startswith(("{", "[")):
+        found = _calls_in_json(body, names)
         if found:
             return None, found
     return text, []
@@ -87,7 +104,6 @@ def tool_call_objects(calls: list[dict[str, str]]) -> list[dict[str, Any]]:
     ]
 
 
-_JSON = json.JSONDecoder()
 _CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
@@ -115,7 +131,7 @@ class ToolStream:
     written, then its arguments as they come. Where a grammar makes the calls well-formed (a
     named function, "required", auto mode's tagged calls) they stream as the model writes them;
     otherwise (auto mode parsing free text) content streams as long as the text cannot be a call
-    (a possible start of `<tool_call>` and a leading JSON value are held back) and the calls come
+    (a possible start of the format's opening text and a leading JSON value are held back) and the calls come
     when the choice ends."""
 
     def __init__(self, plan: ToolPlan):
@@ -134,17 +150,18 @@ class ToolStream:
             return self._stream_calls(text, 0)
         if self.calls_at is not None:
             return self._stream_calls(text, self.calls_at) if self.live else []
-        found = text.find(TOOL_OPEN, self.emitted)
+        opener = self.plan.fmt.open
+        found = text.find(opener, self.emitted) if opener else -1
         if found >= 0:
             self.calls_at = found
             out = self._content(text, found)
             return out + (self._stream_calls(text, found) if self.live else [])
         stripped = text.lstrip()
-        if self.emitted == 0 and (not stripped or stripped.startswith(("{", "["))):
+        if self.emitted == 0 and (not stripped or stripped.startswith(("{", "[", PYTHON_TAG))):
             if stripped:
                 self.calls_at = len(text) - len(stripped)
             return []
-        hold = next((k for k in range(len(TOOL_OPEN) - 1, 0, -1) if text.endswith(TOOL_OPEN[:k])), 0)
+        hold = next((k for k in range(len(opener or "") - 1, 0, -1) if text.endswith(opener[:k])), 0)
         return self._content(text, len(text) - hold)
 
     def finish(self, text: str, reason: str) -> tuple[list[dict[str, Any]], str]:
@@ -157,7 +174,7 @@ class ToolStream:
             complete = reason == "stop" and forced_calls(self.plan, text) is not None
             return deltas, ("tool_calls" if complete else reason)
         if self.calls_at is not None:
-            content, calls = parse_tool_calls(text[self.calls_at :], self.plan.names)
+            content, calls = parse_tool_calls(text[self.calls_at :], self.plan.names, self.plan.fmt)
             if self.live and self.sent:
                 return self._stream_calls(text, self.calls_at), ("tool_calls" if calls else reason)
             if calls:

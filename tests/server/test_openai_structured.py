@@ -10,7 +10,7 @@ import re
 import jsonschema
 import openai
 import pytest
-from conftest import serve
+from conftest import reassemble_tool_calls, serve
 
 import plait
 from plait.runtime.server.http_server import create_app
@@ -98,7 +98,9 @@ def test_parse_tool_calls_formats():
 
 
 def test_tool_stream_holds_back_call_syntax():
-    plan = ToolPlan(TOOLS, "auto")
+    from plait.runtime.server.tool_parsers import PLAIN_JSON
+
+    plan = ToolPlan(TOOLS, "auto", fmt=PLAIN_JSON)  # calls read from free text, not held by a grammar
     stream, text, deltas = ToolStream(plan), "", []
     for piece in ["Let me", " check <", "tool_", 'call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>']:
         text += piece
@@ -108,16 +110,6 @@ def test_tool_stream_holds_back_call_syntax():
     assert reason == "tool_calls" and last[0]["tool_calls"][0]["function"]["name"] == "get_time"
     plain = ToolStream(plan)
     assert plain.update("a <") == [{"content": "a "}] and plain.finish("a <b", "stop") == ([{"content": "<b"}], "stop")
-
-
-def _reassemble(deltas: list[dict]) -> dict[int, dict]:
-    calls: dict[int, dict] = {}
-    for d in deltas:
-        for c in d.get("tool_calls", []):
-            call = calls.setdefault(c["index"], {"name": "", "arguments": ""})
-            call["name"] += c["function"].get("name", "")
-            call["arguments"] += c["function"].get("arguments", "")
-    return calls
 
 
 @pytest.mark.parametrize(
@@ -134,7 +126,6 @@ def test_tool_calls_stream_as_written(choice, text):
     """Grammar-held calls stream as OpenAI sends them: each call's id and name as soon as the name
     is written, then its arguments in pieces that add up to the final JSON."""
     plan = parse_tools({"tools": TOOLS, "tool_choice": choice, "parallel_tool_calls": True})
-    plan.tagged = True
     stream, deltas, name_seen_at = ToolStream(plan), [], None
     for end in range(1, len(text) + 1):
         step = stream.update(text[:end])
@@ -143,7 +134,7 @@ def test_tool_calls_stream_as_written(choice, text):
         deltas += step
     last, reason = stream.finish(text, "stop")
     deltas += last
-    calls = _reassemble(deltas)
+    calls = reassemble_tool_calls(deltas)
     assert reason == "tool_calls" and name_seen_at is not None and name_seen_at < len(text) - 10
     assert sum(1 for d in deltas if "tool_calls" in d and "id" not in d["tool_calls"][0]) > 3  # in pieces
     want = (

@@ -8,8 +8,7 @@ import json
 
 import httpx
 import pytest
-import torch
-from conftest import serve
+from conftest import one_track_model, serve
 
 from plait.runtime.server.reasoning import ReasoningStream, split_reasoning
 
@@ -119,41 +118,11 @@ TEMPLATE = (  # Qwen3's shape: no thinking writes an empty section into the gene
 
 @pytest.fixture(scope="module")
 def thinker(tmp_path_factory, smollm2_path):
-    """A tiny Qwen3 with `<think>` / `</think>` tokens whose greedy choice is always `</think>`,
-    else `<think>`, else what its random weights say: its layers add nothing to the embeddings,
-    which share one direction that only those two tokens' output rows read."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
-
-    folder = tmp_path_factory.mktemp("tiny-thinker")
-    tok = AutoTokenizer.from_pretrained(smollm2_path)
-    tok.add_tokens(["<think>", "</think>"])
-    cfg = Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
+    """A tiny Qwen3 whose greedy choice is always `</think>`, else `<think>`, else what its random
+    weights say."""
+    return one_track_model(
+        str(tmp_path_factory.mktemp("tiny-thinker")), smollm2_path, {"</think>": 10.0, "<think>": 8.0}
     )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
-    think, end = tok.convert_tokens_to_ids(["<think>", "</think>"])
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.embed_tokens.weight[:, 0] = 1.0
-        model.lm_head.weight[:, 0] = 0.0
-        model.lm_head.weight[end, 0], model.lm_head.weight[think, 0] = 10.0, 8.0
-    model.save_pretrained(folder, safe_serialization=True)
-    tok.save_pretrained(folder)
-    return str(folder)
 
 
 def _thinker_answer(folder, parser, **body):
