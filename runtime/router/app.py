@@ -10,7 +10,7 @@ import socket
 from collections.abc import AsyncIterator, Callable
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
 from starlette.responses import Response
 
 from ..server.http_common import ApiError, GuardMiddleware, add_error_handlers, bind_socket, json_response
@@ -52,6 +52,10 @@ def create_router_app(router: Router, api_key: str | None = None, ready_message:
     @app.get("/model_info")
     async def model_info(request: Request) -> Response:
         return await router.any_replica(request, "GET", "/get_model_info")
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str = Path(pattern=r"^resp_[0-9a-f]+$")) -> Response:
+        return await router.get_response(request, response_id)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

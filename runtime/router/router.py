@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import re
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -37,7 +38,18 @@ from .policy import RoutingPolicy, ids_to_text
 
 logger = logging.getLogger("plait.router")
 
-GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/embeddings")
+GENERATE_PATHS = (
+    "/generate",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/messages",
+    "/v1/embeddings",
+    "/v1/responses",
+)
+# Responses live in the memory of the replica that made them: the router remembers which one, so
+# `previous_response_id` and GET /v1/responses/{id} reach it (each replica keeps its last 1024).
+RESPONSE_OWNERS_PER_REPLICA = 1024
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[0-9a-f]+)"')
 HEALTH_INTERVAL_S = 5.0
 HEALTH_TIMEOUT_S = 5.0
 HEALTH_FAILURES_TO_DOWN = 2  # a timeout may be a busy machine; a refused connection is final at once
@@ -120,6 +132,15 @@ def routing_text(path: str, body: Any) -> str:
         return (f"system: {system}\n" if system else "") + "".join(
             f"{m.get('role')}: {_content_text(m.get('content'))}\n" for m in messages if isinstance(m, dict)
         )
+    if path == "/v1/responses":  # instructions first, then the input (text or items)
+        items = body.get("input")
+        if isinstance(items, list):
+            items = "".join(
+                f"{i.get('role', i.get('type'))}: {_content_text(i.get('content', i.get('output')))}\n"
+                for i in items
+                if isinstance(i, dict)
+            )
+        return f"{_content_text(body.get('instructions'))}\n{items if isinstance(items, str) else ''}"
     if path == "/v1/completions":
         return _first_prompt(body.get("prompt"))
     if path == "/v1/embeddings":
@@ -239,6 +260,7 @@ class Router:
         self.health_timeout = health_timeout
         self.metrics = RouterMetrics()
         self.client: httpx.AsyncClient | None = None
+        self.response_owners: OrderedDict[str, str] = OrderedDict()  # response id -> replica url
 
     # --- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -328,11 +350,14 @@ class Router:
             body = None  # the replica answers the 400
         text = routing_text(path, body)
         stream = isinstance(body, dict) and body.get("stream") is True
+        owner = self.response_owner(body.get("previous_response_id")) if isinstance(body, dict) else None
         headers = self.forward_headers(request)
         tried: set[str] = set()
         last_error: Response | None = None
         while True:
             loads = {r.url: r.in_flight for r in self.healthy() if r.url not in tried}
+            if owner in loads:  # the replica that holds the previous response
+                loads = {owner: loads[owner]}
             if not loads:
                 if last_error is not None:
                     return last_error
@@ -369,6 +394,8 @@ class Router:
                     self.mark_down(replica, f"{type(e).__name__}: {e}")
                     raise _Retry() from None
                 answer = plain_response(resp, content)
+                if path == "/v1/responses" and resp.status_code == 200:
+                    self.remember_response(content, replica)
                 if resp.status_code >= 500:
                     await self._on_server_error(replica, resp.status_code, answer)
                 return answer
@@ -382,6 +409,8 @@ class Router:
             except httpx.TransportError as e:
                 self.mark_down(replica, f"{type(e).__name__}: {e}")
                 raise _Retry() from None
+            if path == "/v1/responses":  # the first event, response.created, carries the id
+                self.remember_response(first, replica)
             handed_over = True
             return RelayStream(self._relay(replica, first, chunks), resp, replica, headers=_pass_headers(resp))
         finally:
@@ -413,6 +442,36 @@ class Router:
                 ApiError(502, f"replica {replica.url} failed mid-stream", "server_error", "replica_failed").body()
             ).encode()
             yield SSE_DONE.encode()
+
+    def remember_response(self, content: bytes, replica: Replica) -> None:
+        """Note the replica that made the response whose id `content` starts with."""
+        m = _RESPONSE_ID.search(content[:4096])
+        if m is None:
+            return
+        self.response_owners[m.group(1).decode()] = replica.url
+        self.response_owners.move_to_end(m.group(1).decode())
+        while len(self.response_owners) > RESPONSE_OWNERS_PER_REPLICA * len(self.replicas):
+            self.response_owners.popitem(last=False)
+
+    def response_owner(self, response_id: Any) -> str | None:
+        """The replica that made a response, if the router saw it (and still remembers)."""
+        return self.response_owners.get(response_id) if isinstance(response_id, str) else None
+
+    async def get_response(self, request: Request, response_id: str) -> Response:
+        """GET /v1/responses/{id} from the replica that made it; for one the router did not see
+        (made before a restart), every healthy replica is asked and the first that has it answers."""
+        owner = self.response_owners.get(response_id)
+        path = f"/v1/responses/{response_id}"
+        if owner is not None and self.replicas[owner].healthy:
+            headers = self.forward_headers(request)
+            resp = await self.client.request("GET", owner + path, headers=headers, timeout=60)
+            return plain_response(resp, resp.content)
+        answers = await self.all_replicas(request, "GET", path)
+        found = [a for _, a in answers if isinstance(a, httpx.Response) and a.status_code == 200]
+        answer = (found or [a for _, a in answers if isinstance(a, httpx.Response)] or [None])[0]
+        if answer is None:
+            raise self.no_replica_error()
+        return plain_response(answer, answer.content)
 
     async def any_replica(self, request: Request, method: str, path: str) -> Response:
         """Forward a request that any replica can answer to the first healthy one that does."""

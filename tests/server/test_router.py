@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import signal
@@ -171,6 +172,12 @@ def test_routing_text():
     assert routing_text("/v1/messages", messages) == routing_text("/v1/chat/completions", chat)  # same prefix
     assert routing_text("/v1/embeddings", {"input": ["doc one", "doc two"]}) == "doc one"
     assert routing_text("/generate", None) == "" and routing_text("/v1/completions", {"prompt": 3}) == ""
+    assert routing_text("/v1/responses", {"instructions": "be brief", "input": "hello"}) == "be brief\nhello"
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        {"type": "function_call_output", "output": "12"},
+    ]
+    assert routing_text("/v1/responses", {"input": items}) == "\nuser: hi\nfunction_call_output: 12\n"
 
 
 def test_label_metrics():
@@ -320,6 +327,30 @@ def test_router_forwards_every_endpoint(replicas):
         assert f'plait_prompt_tokens_total{{replica="{replicas[0]}"}}' in metrics
         assert http.get("/health").status_code == 200
         assert all(r.in_flight == 0 for r in router.replicas.values())
+
+
+def test_router_keeps_responses_on_the_replica_that_made_them(replicas):
+    """Responses live in one replica's memory: with round robin, a follow-up by
+    previous_response_id (plain and streamed) and GET /v1/responses/{id} still reach that replica."""
+    with router_at(replicas, "round_robin") as (base, router), httpx.Client(base_url=base, timeout=60) as http:
+        body = {"model": "tiny", "max_output_tokens": 4, "temperature": 0}
+        last = http.post("/v1/responses", json={**body, "input": "Hello"}).json()["id"]
+        for turn in range(3):
+            follow = {**body, "input": f"And {turn}?", "previous_response_id": last, "stream": turn == 1}
+            r = http.post("/v1/responses", json=follow)
+            assert r.status_code == 200, r.text
+            if turn == 1:
+                created = next(line for line in r.text.splitlines() if line.startswith("data: "))
+                last = json.loads(created[6:])["response"]["id"]
+            else:
+                last = r.json()["id"]
+            got = http.get(f"/v1/responses/{last}")
+            assert got.status_code == 200 and got.json()["id"] == last
+        assert len(router.response_owners) == 4
+        assert http.get("/v1/responses/resp_" + "0" * 32).status_code == 404
+        # a response the router never saw (made before it started): asked of every replica
+        direct = httpx.post(replicas[1] + "/v1/responses", json={**body, "input": "Hi"}).json()["id"]
+        assert http.get(f"/v1/responses/{direct}").json()["id"] == direct
 
 
 def test_router_api_keys(engines):
