@@ -168,3 +168,14 @@ def test_no_gate_when_the_prompt_closed_the_section(thinker):
     choice = _thinker_answer(thinker, "qwen3", chat_template_kwargs={"enable_thinking": False})
     jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
     assert "reasoning_content" not in choice["message"]
+
+
+def test_forced_tool_call_after_the_reasoning_section(thinker):
+    """tool_choice "required" on a reasoning model: the section first, then the call its grammar holds."""
+    import jsonschema
+
+    tool = {"type": "function", "function": {"name": "set_a", "parameters": SCHEMA}}
+    choice = _thinker_answer(thinker, "qwen3", response_format=None, tools=[tool], tool_choice="required")
+    calls = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "tool_calls" and [c["function"]["name"] for c in calls] == ["set_a"]
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), SCHEMA)
