@@ -98,10 +98,31 @@ def _tiny_config(arch: str, vocab_size: int):
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         }
         return Gemma3TextConfig(**gemma, rope_parameters=rope, final_logit_softcapping=10.0)
+    # MoE: 4 experts, 2 chosen per token, so tokens of one batch take different experts
+    moe = dict(num_experts_per_tok=2, router_jitter_noise=0.0)
+    if arch == "qwen3-moe":  # a dense first layer (mlp_only_layers), a sparse second
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(
+            **common, **moe, head_dim=16, num_experts=4, moe_intermediate_size=32, norm_topk_prob=True,
+            mlp_only_layers=[0], tie_word_embeddings=False, rope_theta=1000000.0,
+        )  # fmt: skip
+    if arch == "qwen2-moe":  # a gated shared expert beside the routed ones, top-k not renormalized
+        from transformers import Qwen2MoeConfig
+
+        return Qwen2MoeConfig(
+            **common, **moe, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            norm_topk_prob=False, tie_word_embeddings=False, rope_theta=1000000.0,
+        )  # fmt: skip
+    if arch == "mixtral":
+        from transformers import MixtralConfig
+
+        return MixtralConfig(**common, **moe, num_local_experts=4, tie_word_embeddings=False, rope_theta=1e6)
     raise ValueError(arch)
 
 
-TINY_ARCHS = ("llama", "llama3-rope", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+MOE_ARCHS = ("qwen3-moe", "qwen2-moe", "mixtral")
+TINY_ARCHS = ("llama", "llama3-rope", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", *MOE_ARCHS)
 
 
 @pytest.fixture(scope="session")
@@ -114,7 +135,7 @@ def tiny_model_dirs(tmp_path_factory, smollm2_path) -> dict[str, str]:
         folder = tmp_path_factory.mktemp(f"tiny-{arch}")
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(_tiny_config(arch, 49152))
-        if getattr(model.config, "attention_bias", False) or arch == "qwen2":
+        if getattr(model.config, "attention_bias", False) or arch in ("qwen2", "qwen2-moe"):
             with torch.no_grad():  # random, non-zero biases so that their mapping is tested
                 for name, p in model.named_parameters():
                     if name.endswith("bias"):

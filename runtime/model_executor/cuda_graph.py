@@ -278,6 +278,8 @@ def make_decode_graph_runner(runner: ModelRunner) -> DecodeGraphRunner | None:
         return None
     if any(getattr(layer.self_attn, "mask_kwargs", None) for layer in runner.model.layers):
         return None  # soft-capped / windowed layers (Gemma): StaticDecodeAttention runs neither
+    if getattr(runner.model, "data_dependent_step", False):
+        return None  # the MoE models pick experts by the batch's routing: no fixed graph
 
     if runner.device.type != "cuda" and not args.cuda_graph_eager:
         return None

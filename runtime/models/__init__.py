@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .gemma import GemmaForCausalLM
 from .llama import LlamaForCausalLM
+from .moe import MoEForCausalLM
 from .phi3 import Phi3ForCausalLM
 
 MODEL_REGISTRY = {
@@ -11,9 +12,12 @@ MODEL_REGISTRY = {
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MoEForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": MoEForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": MoEForCausalLM,
 }
 
 

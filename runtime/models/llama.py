@@ -111,7 +111,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        bias = bool(getattr(config, "attention_bias", False)) or config.model_type in ("qwen2", "qwen2_moe")
         d = self.head_dim
         q_rows, kv_rows = (q_first * d, self.q_size), (kv_first * d, self.kv_size)
         self.qkv_proj = ColumnParallelLinear(
@@ -121,7 +121,7 @@ class Attention(nn.Module):
             shards=[q_rows, kv_rows, kv_rows],
         )
         self.o_proj = RowParallelLinear(total_heads * d, config.hidden_size, shard=q_rows)
-        self.qk_norm = config.model_type == "qwen3"
+        self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
         # partial rotary (Phi-4-mini): only the first rotary_dim dims of each head turn
         self.rotary_dim = int(d * rope_parameters(config)["partial_rotary_factor"])
         self.eager_rope = self.qk_norm or self.rotary_dim != d
@@ -151,9 +151,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, intermediate_size: int | None = None):
         super().__init__()
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter], name="intermediate_size")
         self.down_proj = RowParallelLinear(inter, config.hidden_size, shard=self.gate_up_proj.pieces[0][:2])
 
@@ -165,9 +165,13 @@ class DecoderLayer(nn.Module):
     def __init__(self, config, layer_id: int):
         super().__init__()
         self.self_attn = Attention(config, layer_id)
-        self.mlp = MLP(config)
+        self.mlp = self.make_mlp(config, layer_id)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def make_mlp(self, config, layer_id: int) -> nn.Module:
+        """The layer's MLP (a mixture of experts in the MoE models' sparse layers)."""
+        return MLP(config)
 
     def forward(self, x, delta, cos, sin, batch, backend):
         """The residual stream `x` takes the previous layer's output `delta` in place (fused into

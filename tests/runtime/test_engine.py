@@ -296,3 +296,25 @@ def test_abort_before_submit_and_rid_reuse(engine):
     again = engine.generate("reuse", {"max_new_tokens": 2}, rid="reused")
     assert again["meta_info"]["finish_reason"]["type"] == done["meta_info"]["finish_reason"]["type"] != "abort"
     assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "qwen3-moe", "qwen2-moe", "mixtral"])
+def test_new_families_serve_greedy_as_hf(arch, tiny_model_dirs):
+    """Each newer family through the whole engine (scheduler, batching, prepacked linears): greedy
+    ids equal HF `generate`'s, for two prompts batched together."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_dirs[arch]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # (longer than the tiny Phi-3's original context of 8: HF then uses the long RoPE factors, as
+    # plait does throughout)
+    prompts = [[1, 450, 4996, 17354, 1701, 432, 9810, 975, 278], [1, 3439, 338, 263, 1243, 310, 278, 4333, 29889, 13]]
+    with plait.Engine(model=path, dtype="float32", max_total_tokens=2048) as eng:
+        outs = eng.generate(
+            input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+        )
+        assert_no_leak(eng)
+    for ids, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=10, min_new_tokens=10, do_sample=False)[0]
+        assert out["output_ids"] == ref[len(ids) :].tolist()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_ARCHS, require_kernels
+from conftest import MOE_ARCHS, TINY_ARCHS, require_kernels
 from transformers import AutoModelForCausalLM
 
 from plait.runtime.kernels.cpu import cpu_kernels
@@ -23,7 +23,7 @@ from plait.runtime.server_args import ServerArgs
 TOL = 1e-4
 PACKED_TOL = 5e-4
 # the families added after Llama / Qwen / Mistral, also checked against HF `generate`
-NEW_FAMILIES = ("phi3", "gemma2", "gemma3")
+NEW_FAMILIES = ("phi3", "gemma2", "gemma3", *MOE_ARCHS)
 
 
 class Harness:
@@ -73,7 +73,8 @@ def hf_logits(hf, ids: list[int]) -> torch.Tensor:
 def exact_logits(path: str, prompts: list[list[int]]) -> tuple[list[torch.Tensor], float]:
     """HF's float64 logits per prompt, and HF float32's worst distance from them."""
     hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    hf64 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    # (MoE: transformers' grouped-GEMM experts take no float64; its eager loop does)
+    hf64 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, experts_implementation="eager").eval()
     with torch.no_grad():
         exact = [hf64(torch.tensor([p])).logits[0] for p in prompts]
     err = max((hf_logits(hf32, p).double() - e).abs().max().item() for p, e in zip(prompts, exact))
@@ -278,3 +279,41 @@ def test_greedy_equals_hf_generate(arch, tiny_model_dirs, prompts):
         out.append(int(logits[-1].argmax()))
         logits = h.step([(row, [out[-1]])])[0]
     assert out == ref[len(ids) :].tolist()
+
+
+def test_moe_step_reads_only_the_chosen_experts(tiny_model_dirs):
+    """Experts no token chose may hold anything (here NaN): a step never multiplies by them."""
+    from transformers import AutoConfig
+
+    from plait.runtime.models.moe import SparseMoE
+
+    torch.manual_seed(0)
+    moe = SparseMoE(AutoConfig.from_pretrained(tiny_model_dirs["qwen3-moe"]))
+    for p in moe.parameters():
+        p.data.normal_(0, 0.2)
+    x = torch.randn(1, 64)  # a decode step at batch 1: 2 of 4 experts
+    want = moe(x)
+    chosen = torch.topk(moe.gate(x), moe.top_k, dim=-1).indices.unique()
+    unchosen = [e for e in range(moe.experts.down.shape[0]) if e not in chosen.tolist()]
+    assert unchosen, "the test needs an expert no token chose"
+    moe.experts.gate_up.data[unchosen] = float("nan")
+    moe.experts.down.data[unchosen] = float("nan")
+    assert torch.equal(moe(x), want)
+
+
+def test_stacked_expert_tensors_load_as_per_expert_ones():
+    """transformers' stacked `gate_up_proj` [E, 2I, H] / `down_proj` fill the experts as hub
+    checkpoints' per-expert tensors do."""
+    from plait.runtime.models.moe import Experts
+
+    n, hidden, inter = 3, 8, 4
+    gate, up, down = torch.randn(n, inter, hidden), torch.randn(n, inter, hidden), torch.randn(n, hidden, inter)
+    a, b = Experts(n, hidden, inter), Experts(n, hidden, inter)
+    for e in range(n):
+        for which, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+            a.load_expert(e, which, w[e])
+    b.load_stacked("gate_up_proj", torch.cat([gate, up], dim=1))
+    assert b.missing()  # down_proj not yet
+    b.load_stacked("down_proj", down)
+    assert not a.missing() and not b.missing()
+    assert torch.equal(a.gate_up, b.gate_up) and torch.equal(a.down, b.down)

@@ -271,7 +271,7 @@ def _rank_main(args: ServerArgs, rank: int, results) -> None:
     exit_rank(0)  # as the engine's ranks end
 
 
-@pytest.mark.parametrize("arch", ["llama3-rope", "qwen3"])  # untied + llama3 RoPE; q/k norm, head_dim 32
+@pytest.mark.parametrize("arch", ["llama3-rope", "qwen3", "qwen2-moe"])  # + experts split, shared expert
 def test_tp2_step_logits_match_tp1(arch, tiny_model_dirs):
     """The raw float32 logits of every step (chunked prefills and decodes) agree within 1e-4."""
     import multiprocessing as mp
