@@ -171,6 +171,18 @@ def test_unsupported_architecture(tmp_path, tiny_model_dirs):
         ModelRunner(ServerArgs(model=str(tmp_path / "m"), max_total_tokens=64))
 
 
+def test_unsupported_quantized_checkpoint(tmp_path, tiny_model_dirs):
+    import json
+    import shutil
+
+    shutil.copytree(tiny_model_dirs["llama"], tmp_path / "m", dirs_exist_ok=True)
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="quantized with 'gptq'.*GGUF"):
+        ModelRunner(ServerArgs(model=str(tmp_path / "m"), max_total_tokens=64))
+
+
 @pytest.mark.integration
 def test_smollm2_bfloat16_close_to_float32(smollm2_path, prompts):
     """bf16 weights (and KV: attention widens it to float32) track the float32 model closely."""
