@@ -61,6 +61,11 @@ def _decoder_kinds(tokenizer) -> set[str]:
     return kinds
 
 
+# Tool-call markers some tokenizers make special tokens (Mistral's [TOOL_CALLS], Llama 3's
+# <|python_tag|>); a structural tag's trigger is text, so these match it as their text there.
+MARKER_TOKENS = frozenset({"[TOOL_CALLS]", "<tool_call>", "</tool_call>", "<|python_tag|>"})
+
+
 class TokenizerInfo:
     def __init__(
         self, tokenizer, vocab_size: int | None = None, eos_token_ids: Sequence[int] | int | None = None
@@ -101,6 +106,10 @@ class TokenizerInfo:
         # ids without a token (holes in the vocabulary) never are allowed
         special.update(i for i, k in enumerate(known) if not k)
         self.special_token_ids: frozenset[int] = frozenset(i for i in special if i < self.vocab_size)
+        # special tokens that spell a tool-call marker: a structural tag may write them as their text
+        self.marker_token_ids: frozenset[int] = frozenset(
+            i for i in self.special_token_ids if self._added.get(i) in MARKER_TOKENS
+        )
         self.token_bytes: list[bytes] = token_bytes
         self._state: dict[Any, Any] = {}
         self._lock = threading.Lock()

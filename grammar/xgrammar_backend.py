@@ -23,10 +23,11 @@ except ImportError as e:  # pragma: no cover - exercised only without the packag
 JSON_WHITESPACE = ("default", "compact", "any")
 
 
-def _xgr_tokenizer_info(info: TokenizerInfo) -> "xgr.TokenizerInfo":
+def _xgr_tokenizer_info(info: TokenizerInfo, as_text: frozenset[int] = frozenset()) -> "xgr.TokenizerInfo":
     """xgrammar's TokenizerInfo with our special tokens blanked out (xgrammar treats an empty
     token as special: never allowed), so that control tokens such as <|im_start|> cannot appear
-    inside constrained text; the EOS tokens are xgrammar's stop tokens."""
+    inside constrained text, except `as_text` (kept as their text); the EOS tokens are xgrammar's
+    stop tokens."""
     detected = xgr.TokenizerInfo.from_huggingface(
         info.tokenizer, vocab_size=info.vocab_size, stop_token_ids=list(info.eos_token_ids)
     )
@@ -36,7 +37,7 @@ def _xgr_tokenizer_info(info: TokenizerInfo) -> "xgr.TokenizerInfo":
             encoded[i] = token
     eos = set(info.eos_token_ids)
     for i in info.special_token_ids:
-        if i not in eos:
+        if i not in eos and i not in as_text:
             encoded[i] = ""
     return xgr.TokenizerInfo(
         encoded,
@@ -68,9 +69,24 @@ class XGrammarBackend(GrammarBackend):
         self.xgr_info = info.backend_state("xgrammar.tokenizer_info", lambda: _xgr_tokenizer_info(info))
         # our GrammarCache caches by spec, so xgrammar's own compile cache would only duplicate it
         self.compiler = xgr.GrammarCompiler(self.xgr_info, max_threads=max_threads, cache_enabled=False)
+        self._max_threads = max_threads
+        self._tag_compiler = None  # structural tags, with marker tokens as text (made on first use)
         eos_row = torch.zeros(1, bitmask_width(info.vocab_size), dtype=torch.int32)
         set_token_bits(eos_row, 0, info.eos_token_ids)
         self.eos_row = eos_row
+
+    def tag_compiler(self) -> "xgr.GrammarCompiler":
+        """The compiler of structural tags: where the tokenizer makes a tool-call marker a special
+        token (Mistral's [TOOL_CALLS]), that token matches the tag's trigger as its text."""
+        if not self.info.marker_token_ids:
+            return self.compiler
+        if self._tag_compiler is None:
+            info = self.info.backend_state(
+                "xgrammar.tokenizer_info.markers",
+                lambda: _xgr_tokenizer_info(self.info, self.info.marker_token_ids),
+            )
+            self._tag_compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads, cache_enabled=False)
+        return self._tag_compiler
 
     @property
     def cache_key(self) -> tuple:
@@ -100,7 +116,7 @@ class XGrammarBackend(GrammarBackend):
                 alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choices())
                 compiled = self.compiler.compile_grammar(f"root ::= {alts}")
             elif spec.kind == "structural_tag":
-                compiled = self.compiler.compile_structural_tag(spec.spec)
+                compiled = self.tag_compiler().compile_structural_tag(spec.spec)
             else:  # pragma: no cover - GrammarSpec validates the kind
                 raise GrammarError(f"xgrammar: unsupported grammar kind {spec.kind!r}")
         except GrammarError:
@@ -120,8 +136,10 @@ class XGrammarGrammar(Grammar):
         self.spec = spec
         self.compiled = compiled
         self.vocab_size = backend.info.vocab_size
-        # special tokens are rejected here (xgrammar would log a warning for each)
-        self.never = backend.info.special_token_ids - set(backend.info.eos_token_ids)
+        # special tokens are rejected here (xgrammar would log a warning for each); a structural
+        # tag may write tool-call markers
+        never = backend.info.special_token_ids - set(backend.info.eos_token_ids)
+        self.never = never - backend.info.marker_token_ids if spec.kind == "structural_tag" else never
 
     def matcher(self) -> "XGrammarMatcher":
         return XGrammarMatcher(self, xgr.GrammarMatcher(self.compiled))

@@ -154,15 +154,16 @@ def tiny_model_dirs(tmp_path_factory, smollm2_path) -> dict[str, str]:
     return out
 
 
-def one_track_model(folder: str, smollm2_path: str, favourites: dict[str, float]) -> str:
+def one_track_model(folder: str, smollm2_path: str, favourites: dict[str, float], special: bool = False) -> str:
     """A tiny Qwen3 with the tokens `favourites` added, whose every next-token logit is the same
     but theirs (`favourites[token]` above the rest): its layers add nothing to the embeddings, which
     share one direction that only those tokens' output rows read. Greedy, it writes the first
-    favourite its constraint allows, else what its random weights say. Saved to `folder`."""
+    favourite its constraint allows, else what its random weights say. Saved to `folder`; with
+    `special` the added tokens are special tokens (as Mistral's [TOOL_CALLS] is)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
-    tok.add_tokens(list(favourites))
+    tok.add_tokens(list(favourites), special_tokens=special)
     cfg = Qwen3Config(
         vocab_size=len(tok),
         hidden_size=64,

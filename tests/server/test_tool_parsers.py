@@ -152,17 +152,20 @@ def opener_model(tmp_path_factory, smollm2_path):
     def get(family: str) -> str:
         if family not in made:
             folder = str(tmp_path_factory.mktemp(f"tiny-{family}-caller"))
-            made[family] = one_track_model(folder, smollm2_path, {OPENERS[family]: 10.0})
+            opener = OPENERS[family.removesuffix("-special")]
+            made[family] = one_track_model(folder, smollm2_path, {opener: 10.0}, special=family.endswith("-special"))
         return made[family]
 
     return get
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("family", ["mistral", "llama3", "hermes"])
+@pytest.mark.parametrize("family", ["mistral", "llama3", "hermes", "mistral-special"])
 def test_server_reads_each_family_s_calls(opener_model, family, stream):
     """Through the server, tool_choice auto on a template of each family: the model opens a call in
-    that family's syntax, the grammar holds it to the tool's schema, the answer is a tool call."""
+    that family's syntax, the grammar holds it to the tool's schema, the answer is a tool call.
+    mistral-special: [TOOL_CALLS] is a special token, as in Mistral's tokenizers (it opens the
+    call as its text; skipped in the output, the call array is read back)."""
     import plait
     from plait.runtime.server.http_server import create_app
 
@@ -176,7 +179,9 @@ def test_server_reads_each_family_s_calls(opener_model, family, stream):
         "stream": stream,
     }
     with plait.Engine(
-        model=opener_model(family), chat_template=_template(MARKERS[family]), max_total_tokens=2048
+        model=opener_model(family),
+        chat_template=_template(MARKERS[family.removesuffix("-special")]),
+        max_total_tokens=2048,
     ) as eng:
         with serve(create_app(eng, served_model_name="tiny")) as url:
             r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
@@ -201,3 +206,26 @@ def test_server_reads_each_family_s_calls(opener_model, family, stream):
         )
     assert names == ["get_time"] and reason == "tool_calls"
     jsonschema.validate(json.loads(args), TIME["function"]["parameters"])
+
+
+def test_a_special_marker_token_writes_tags_only(smollm2_path):
+    """A tokenizer whose [TOOL_CALLS] is a special token: a structural tag's trigger accepts that
+    token as its text; every other grammar still refuses it (in a JSON string, say)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from plait.grammar import GrammarSpec, make_backend
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    marker = tok.convert_tokens_to_ids("[TOOL_CALLS]")
+    backend = make_backend("xgrammar", tok, len(tok))
+    plan = parse_tools({"tools": TOOLS, "parallel_tool_calls": False})
+    plan.fmt = MISTRAL
+    tag = backend.compile(GrammarSpec.from_structural_tag({"type": "structural_tag", "format": tool_call_tags(plan)}))
+    assert tag.matcher().accept(marker)
+    doc = backend.compile(GrammarSpec("json_schema", json.dumps({"type": "string"}))).matcher()
+    assert doc.accept(tok.encode('"', add_special_tokens=False)[0]) and not doc.accept(marker)
+    mask = torch.zeros(1, (len(tok) + 31) // 32, dtype=torch.int32)
+    doc.fill_mask(mask, 0)
+    assert not (int(mask[0, marker >> 5]) >> (marker & 31)) & 1
