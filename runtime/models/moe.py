@@ -1,9 +1,10 @@
 """Mixture-of-experts decoders: Qwen3-MoE, Qwen2-MoE and Mixtral, the Llama / Qwen decoder with a
 top-k routed MLP in its sparse layers.
 
-Each sparse layer's experts are stacked (`gate_up` [E, 2I, H], `down` [E, H, I]) and a step runs
-only the experts its tokens chose: tokens are sorted by expert, and each chosen expert multiplies
-its own rows once (decode at batch 1 reads k of E experts). Tensor parallelism splits every
+Each sparse layer's experts are plain linears per expert (so --quantization int8 / int4 and CPU
+prepacking take them as any projection) and a step runs only the experts its tokens chose: tokens
+are sorted by expert, and each chosen expert multiplies its own rows once (decode at batch 1 reads
+k of E experts). Tensor parallelism splits every
 expert's intermediate features across the ranks, as the dense MLP's are split, and sums the partial
 outputs with one all-reduce. Checkpoints come per expert (`experts.{e}.gate_proj`, hub files) or
 stacked (`experts.gate_up_proj`, as transformers 5 saves them); Mixtral's `block_sparse_moe` /
@@ -34,23 +35,25 @@ _STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts, stacked; this rank holds its share of each expert's intermediate features."""
+    """E SwiGLU experts, each a pair of plain linears (`gate_up[e]`: [gate; up] rows, `down[e]`), so
+    that --quantization and CPU prepacking treat every expert as any other projection; this rank
+    holds its share of each expert's intermediate features."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int):
         super().__init__()
         self.first, self.inter = balanced_split(inter, "moe_intermediate_size")
-        self.gate_up = nn.Parameter(torch.zeros(num_experts, 2 * self.inter, hidden), requires_grad=False)
-        self.down = nn.Parameter(torch.zeros(num_experts, hidden, self.inter), requires_grad=False)
+        self.gate_up = nn.ModuleList(nn.Linear(hidden, 2 * self.inter, bias=False) for _ in range(num_experts))
+        self.down = nn.ModuleList(nn.Linear(self.inter, hidden, bias=False) for _ in range(num_experts))
         self.filled: set[tuple[int, str]] = set()
 
     def load_expert(self, e: int, which: str, w: torch.Tensor) -> None:
         """One expert's HF tensor (`gate_proj` / `up_proj` [I, H], `down_proj` [H, I]): this rank's part."""
         a, n = self.first, self.inter
         if which == "down_proj":
-            self.down.data[e].copy_(w[:, a : a + n])
+            self.down[e].weight.data.copy_(w[:, a : a + n])
         else:
             rows = slice(0, n) if which == "gate_proj" else slice(n, 2 * n)
-            self.gate_up.data[e, rows].copy_(w[a : a + n])
+            self.gate_up[e].weight.data[rows].copy_(w[a : a + n])
         self.filled.add((e, which))
 
     def load_stacked(self, which: str, w: torch.Tensor) -> None:
@@ -64,7 +67,7 @@ class Experts(nn.Module):
                 self.load_expert(e, "up_proj", up)
 
     def missing(self) -> list[tuple[int, str]]:
-        want = {(e, w) for e in range(self.down.shape[0]) for w in ("gate_proj", "up_proj", "down_proj")}
+        want = {(e, w) for e in range(len(self.down)) for w in ("gate_proj", "up_proj", "down_proj")}
         return sorted(want - self.filled)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
@@ -72,7 +75,7 @@ class Experts(nn.Module):
         k = chosen.shape[1]
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.down.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=len(self.down)).tolist()
         token_of = order // k
         weight_of = weights.reshape(-1)[order].unsqueeze(1)
         out = torch.zeros_like(x)
@@ -81,11 +84,19 @@ class Experts(nn.Module):
             if not c:
                 continue
             rows = token_of[start : start + c]
-            gate, up = F.linear(x.index_select(0, rows), self.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[e])
+            gate, up = self.gate_up[e](x.index_select(0, rows)).chunk(2, dim=-1)
+            y = self.down[e](F.silu(gate) * up)
             out.index_add_(0, rows, y * weight_of[start : start + c])
             start += c
         return out
+
+
+class RouterLinear(nn.Linear):
+    """The router's projection: kept in the model's dtype (not a plain `nn.Linear` to --quantization,
+    which would move tokens between experts)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
 
 
 class SparseMoE(nn.Module):
@@ -97,7 +108,7 @@ class SparseMoE(nn.Module):
         self.top_k = config.num_experts_per_tok
         # Mixtral softmaxes the top-k logits: the top-k probabilities renormalized
         self.renormalize = bool(getattr(config, "norm_topk_prob", config.model_type == "mixtral"))
-        self.gate = nn.Linear(config.hidden_size, num, bias=False)
+        self.gate = RouterLinear(config.hidden_size, num, bias=False)
         inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
         self.experts = Experts(num, config.hidden_size, inter)
         shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
