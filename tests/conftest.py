@@ -98,6 +98,10 @@ def _tiny_config(arch: str, vocab_size: int):
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         }
         return Gemma3TextConfig(**gemma, rope_parameters=rope, final_logit_softcapping=10.0)
+    if arch == "mistral-window":  # Mistral v0.1's sliding window, shorter than the test prompts
+        from transformers import MistralConfig
+
+        return MistralConfig(**common, sliding_window=8, tie_word_embeddings=False, rope_theta=10000.0)
     # MoE: 4 experts, 2 chosen per token, so tokens of one batch take different experts
     moe = dict(num_experts_per_tok=2, router_jitter_noise=0.0)
     if arch == "qwen3-moe":  # a dense first layer (mlp_only_layers), a sparse second
@@ -122,7 +126,7 @@ def _tiny_config(arch: str, vocab_size: int):
 
 
 MOE_ARCHS = ("qwen3-moe", "qwen2-moe", "mixtral")
-TINY_ARCHS = ("llama", "llama3-rope", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", *MOE_ARCHS)
+TINY_ARCHS = ("llama", "llama3-rope", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mistral-window", *MOE_ARCHS)
 
 
 @pytest.fixture(scope="session")

@@ -80,6 +80,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out if rot == x.shape[-1] else torch.cat((out, x[..., rot:]), dim=-1)
 
 
+# model types whose `sliding_window` applies to every layer (HF's masks for them)
+SLIDING_WINDOW_TYPES = ("mistral", "phi3", "mixtral")
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -199,6 +203,12 @@ class LlamaForCausalLM(nn.Module):
             config.vocab_size, config.hidden_size, tied=self.embed_tokens if self.tie_word_embeddings else None
         )
         head_dim = self.layers[0].self_attn.head_dim
+        window = getattr(config, "sliding_window", None) if config.model_type in SLIDING_WINDOW_TYPES else None
+        if window and window < (max_positions or config.max_position_embeddings):
+            # every layer sees the last `window` keys (Mistral v0.1, Phi-3 mini 4k): the backend's
+            # masked eager path; below the context length the window changes nothing
+            for layer in self.layers:
+                layer.self_attn.mask_kwargs = {"window": window}
         cos, sin = self._rope_tables(config, head_dim, max_positions or config.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -315,8 +325,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if attn.eager_rope or any(w.dtype != dtype for w in norms):
-                return None
+            if attn.eager_rope or attn.mask_kwargs or any(w.dtype != dtype for w in norms):
+                return None  # (the op runs neither eager RoPE nor masked attention)
             specs = []
             for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 spec = proj.decode_kernel(rows, dtype) if hasattr(proj, "decode_kernel") else None

@@ -3,7 +3,8 @@
 HF stores `qkv_proj` ([q; k; v] rows) and `gate_up_proj` ([gate; up] rows) fused; they are split
 into their pieces at load so that each tensor-parallel rank keeps its rows of each piece, as for
 Llama. longrope ("su") scaling and a partial rotary factor are handled by `rope_cos_sin` /
-`Attention` in llama.py (see `rope_cos_sin` for how short and long factors are chosen).
+`Attention` in llama.py (see `rope_cos_sin` for how short and long factors are chosen), and a
+sliding window shorter than the context (Phi-3 mini 4k) by `LlamaForCausalLM`.
 """
 
 from __future__ import annotations
@@ -17,17 +18,6 @@ from .llama import LlamaForCausalLM
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3 family decoder; weights as `LlamaForCausalLM`'s once the fused tensors are split."""
-
-    def __init__(self, config, max_positions: int | None = None):
-        window = getattr(config, "sliding_window", None)
-        context = max_positions or config.max_position_embeddings
-        if window is not None and window < context:
-            # HF masks keys older than the window; the layer loop here attends to the whole context
-            raise ValueError(
-                f"Phi3ForCausalLM: sliding_window {window} is below the context length {context}; "
-                f"serve it with --context-length {window} (sliding-window attention is not served for Phi-3)"
-            )
-        super().__init__(config, max_positions)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF-named tensors, the fused `qkv_proj` / `gate_up_proj` split into Llama's pieces."""

@@ -298,7 +298,7 @@ def test_abort_before_submit_and_rid_reuse(engine):
     assert_no_leak(engine)
 
 
-@pytest.mark.parametrize("arch", ["phi3", "gemma2", "qwen3-moe", "qwen2-moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "mistral-window", "qwen3-moe", "qwen2-moe", "mixtral"])
 def test_new_families_serve_greedy_as_hf(arch, tiny_model_dirs):
     """Each newer family through the whole engine (scheduler, batching, prepacked linears): greedy
     ids equal HF `generate`'s, for two prompts batched together."""

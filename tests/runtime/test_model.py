@@ -23,7 +23,7 @@ from plait.runtime.server_args import ServerArgs
 TOL = 1e-4
 PACKED_TOL = 5e-4
 # the families added after Llama / Qwen / Mistral, also checked against HF `generate`
-NEW_FAMILIES = ("phi3", "gemma2", "gemma3", *MOE_ARCHS)
+NEW_FAMILIES = ("phi3", "gemma2", "gemma3", "mistral-window", *MOE_ARCHS)
 
 
 class Harness:
