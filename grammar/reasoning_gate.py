@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from .base import Matcher
+from .bitmask import set_token_bits
 
 if TYPE_CHECKING:
     import torch
@@ -72,13 +73,12 @@ class ReasoningGate(Matcher):
     def fill_mask(self, bitmask: "torch.Tensor", row: int) -> None:
         if self._undecided is not None:
             self._undecided.fill_mask(bitmask, row)
-            _set_bit(bitmask, row, self._start, True)
+            set_token_bits(bitmask, row, (self._start,))
         elif self._inner is not None:
             self._inner.fill_mask(bitmask, row)
         else:
             bitmask[row].fill_(-1)
-            for t in self._eos:
-                _set_bit(bitmask, row, t, False)
+            set_token_bits(bitmask, row, self._eos, False)
 
     def is_finished(self) -> bool:
         return self._inner is not None and self._inner.is_finished()
@@ -114,12 +114,3 @@ class ReasoningGate(Matcher):
     def num_accepted(self) -> int:
         inner = self._inner or self._undecided
         return len(self._free) + (inner.num_accepted if inner is not None else 0)
-
-
-def _set_bit(bitmask: "torch.Tensor", row: int, token: int, allowed: bool) -> None:
-    word, bit = token >> 5, token & 31
-    if word >= bitmask.shape[1]:
-        return
-    value = int(bitmask[row, word]) & 0xFFFFFFFF
-    value = value | (1 << bit) if allowed else value & ~(1 << bit)
-    bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value

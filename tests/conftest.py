@@ -164,24 +164,12 @@ def one_track_model(folder: str, smollm2_path: str, favourites: dict[str, float]
     share one direction that only those tokens' output rows read. Greedy, it writes the first
     favourite its constraint allows, else what its random weights say. Saved to `folder`; with
     `special` the added tokens are special tokens (as Mistral's [TOOL_CALLS] is)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     tok.add_tokens(list(favourites), special_tokens=special)
-    cfg = Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    cfg = _tiny_config("qwen3", len(tok))
+    cfg.tie_word_embeddings = False  # the output rows are set apart from the embeddings
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():

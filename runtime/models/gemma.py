@@ -96,10 +96,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
         cap = getattr(self.config, "final_logit_softcapping", None)
         return logits if logits is None or cap is None else torch.tanh(logits / cap) * cap
 
-    def _decode_plan(self, rows: int, dtype: torch.dtype) -> None:
-        """The fused decode op runs Llama's layer; Gemma's layers run the loop."""
-        return None
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """As Llama's, then the norms' weights become (1 + weight)."""
         super().load_weights(weights)

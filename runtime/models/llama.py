@@ -323,10 +323,12 @@ class LlamaForCausalLM(nn.Module):
         empty = torch.empty(0)
         weights, kinds = [], []
         for layer in self.layers:
+            if not isinstance(layer, DecoderLayer) or type(layer.mlp) is not MLP:
+                return None  # the op runs Llama's layer (not Gemma's norms, GeGLU or experts)
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             if attn.eager_rope or attn.mask_kwargs or any(w.dtype != dtype for w in norms):
-                return None  # (the op runs neither eager RoPE nor masked attention)
+                return None  # (nor eager RoPE or masked attention)
             specs = []
             for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 spec = proj.decode_kernel(rows, dtype) if hasattr(proj, "decode_kernel") else None

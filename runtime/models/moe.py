@@ -140,14 +140,11 @@ class MoEDecoderLayer(DecoderLayer):
 
 
 class MoEForCausalLM(LlamaForCausalLM):
-    """Qwen3-MoE / Qwen2-MoE / Mixtral. Decode steps run the layer loop (the fused decode op knows
-    dense MLPs only)."""
+    """Qwen3-MoE / Qwen2-MoE / Mixtral. Decode steps run the layer loop (`_decode_plan`: the fused
+    decode op knows dense MLPs only)."""
 
     layer_class = MoEDecoderLayer
     data_dependent_step = True  # which experts run depends on the batch (no CUDA graph)
-
-    def _decode_plan(self, rows: int, dtype: torch.dtype):
-        return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF-named tensors; expert tensors (per expert or stacked) go to their `Experts`."""

@@ -14,10 +14,10 @@ from .api_schema import MAX_TOP_LOGPROBS
 from .http_common import ApiError, is_int
 from .openai_fields import is_bool, require_schema, typed_field
 from .openai_tools import (
-    MAX_WHITESPACE,
     ToolPlan,
     parse_tools,
     render_chat,
+    tag_json,
     template_kwargs,
     template_source,
     tool_call_schema,
@@ -281,7 +281,7 @@ def _auto_tool_format(plan: ToolPlan, other: tuple[str, str, Any] | None) -> dic
         raise ApiError(
             400, f"tools with tool_choice 'auto' combine with a JSON-schema response_format only, not with {other[0]}"
         )
-    doc = {"type": "json_schema", "json_schema": json.loads(other[2]), "max_whitespace_cnt": MAX_WHITESPACE}
+    doc = tag_json(json.loads(other[2]))
     return {
         "type": "structural_tag",
         "format": {"type": "or", "elements": [doc, tool_call_tags(plan, at_least_one=True)]},

@@ -77,6 +77,11 @@ class ToolPlan:
         return self.choice in ("required", "named")
 
 
+def tag_json(schema: dict[str, Any]) -> dict[str, Any]:
+    """A structural tag's JSON-schema content, its whitespace runs bounded (MAX_WHITESPACE)."""
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE}
+
+
 def tool_call_tags(plan: ToolPlan, at_least_one: bool = False) -> dict[str, Any]:
     """The triggered-tags format of auto mode: free text, but once the model starts a call (in its
     format: `<tool_call>`, `[TOOL_CALLS]`, Llama 3's `{"name": `) the call's JSON is held to one of
@@ -86,11 +91,7 @@ def tool_call_tags(plan: ToolPlan, at_least_one: bool = False) -> dict[str, Any]
         {
             "type": "tag",
             "begin": fmt.begin(name),
-            "content": {
-                "type": "json_schema",
-                "json_schema": plan.parameters(name),
-                "max_whitespace_cnt": MAX_WHITESPACE,
-            },
+            "content": tag_json(plan.parameters(name)),
             "end": fmt.end,
         }
         for name in plan.names
