@@ -448,8 +448,9 @@ class Router:
         m = _RESPONSE_ID.search(content[:4096])
         if m is None:
             return
-        self.response_owners[m.group(1).decode()] = replica.url
-        self.response_owners.move_to_end(m.group(1).decode())
+        rid = m.group(1).decode()
+        self.response_owners[rid] = replica.url
+        self.response_owners.move_to_end(rid)
         while len(self.response_owners) > RESPONSE_OWNERS_PER_REPLICA * len(self.replicas):
             self.response_owners.popitem(last=False)
 
