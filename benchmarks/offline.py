@@ -143,7 +143,9 @@ def main(argv: list[str] | None = None) -> dict:
         "--hf-sequential", type=int, default=4, help="requests HF runs one at a time (its tok/s is measured on these)"
     )
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--quantization", default=None, choices=["int8", "int4"], help="plait's weights (HF stays float)")
+    ap.add_argument(
+        "--quantization", default=None, choices=["int8", "int4", "gguf"], help="plait's weights (HF stays float)"
+    )
     ap.add_argument("--skip-roofline", action="store_true", help="do not measure the machine's limits")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)

@@ -163,7 +163,7 @@ class Engine:
         self._stopped = False
         # Resolved here, once (a GGUF is converted once), and checked before any process starts,
         # so an unknown path or an unsupported architecture raises its ValueError directly.
-        self.model_path: str = resolve_model(self.args.model, revision=self.args.revision)
+        self.model_path: str = resolve_model(self.args.model, revision=self.args.revision, float_weights=False)
         from .models import get_model_class  # imports torch: only when an engine is made
 
         config = load_config(self.model_path)
@@ -171,7 +171,7 @@ class Engine:
         if self.args.speculative_draft_model:  # the draft model too, before the target loads
             from .speculative.draft_model import check_vocab_size
 
-            draft_config = load_config(resolve_model(self.args.speculative_draft_model))
+            draft_config = load_config(resolve_model(self.args.speculative_draft_model, float_weights=False))
             get_model_class(draft_config)
             check_vocab_size(self.args.speculative_draft_model, draft_config.vocab_size, config.vocab_size)
         chat_template = read_chat_template(self.args.chat_template) if self.args.chat_template else None
@@ -512,7 +512,7 @@ def run_worker_node(args: ServerArgs) -> int:
     at `args.dist_init_addr` and follow its batches, until they exit; 0 when all stopped cleanly."""
     from .managers.scheduler_process import openmp_environ, tp_worker_processes
 
-    args = dataclasses.replace(args, model=resolve_model(args.model, revision=args.revision))
+    args = dataclasses.replace(args, model=resolve_model(args.model, revision=args.revision, float_weights=False))
     procs = tp_worker_processes(args, None, os.getpid())
     with openmp_environ(args):
         for proc in procs:

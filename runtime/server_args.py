@@ -13,7 +13,8 @@ FP8_KV_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8": "float8_e4m3fn", "fp8_e5m2"
 KV_CACHE_DTYPE_CHOICES = DTYPE_CHOICES + tuple(FP8_KV_DTYPES)
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 GRAMMAR_BACKENDS = ("auto", "xgrammar", "llguidance", "outlines")
-QUANTIZATIONS = ("int8", "int4", "fp8")
+# gguf: each layer as the GGUF file stores it (see layers/quantization.py, model_executor/gguf_weights.py)
+QUANTIZATIONS = ("int8", "int4", "fp8", "gguf")
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")
 REASONING_PARSERS = ("qwen3", "deepseek-r1")  # <think> ... </think> (runtime/server/reasoning.py)
 # --tool-call-parser's (runtime/server/tool_parsers.py; SGLang's and vLLM's names)
@@ -99,8 +100,10 @@ class ServerArgs:
     cuda_graph_eager: bool = False
     quantization: str | None = option(
         None,
-        "int8: per-channel int8 weights; int4: 4-bit weights in groups of 32 (GGUF Q4_1's scheme, exact "
-        "for Q4_1 models; LM head int8); fp8: CUDA sm90+ only (else int8)",
+        "int8: per-channel int8 weights; int4: 4-bit weights in groups of 32 (GGUF Q4_1's scheme; a GGUF's "
+        "Q4_0 / Q4_1 / Q4_K tensors are read as their codes; LM head int8); gguf: a GGUF's own types "
+        "(4-bit ones int4 from the file's codes, other quantized ones int8, float ones float); "
+        "fp8: CUDA sm90+ only (else int8)",
         QUANTIZATIONS,
     )
     num_threads: int | None = option(None, "torch intra-op threads (default: all cores)")
@@ -212,7 +215,9 @@ class ServerArgs:
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.quantization not in (None, *QUANTIZATIONS):
-            raise ValueError(f"quantization must be int8, int4 or fp8 (or unset), got {self.quantization!r}")
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset), got {self.quantization!r}"
+            )
         for name in ("json_max_number_digits", "json_max_string_length", "json_resample"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: no bound), got {getattr(self, name)}")

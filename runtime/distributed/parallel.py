@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..layers.quantization import QuantizedWeight, as_float, keep_quantized
+
 logger = logging.getLogger(__name__)
 
 
@@ -254,9 +256,13 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x)
 
-    def load_weight(self, param: str, loaded: torch.Tensor, piece: int = 0) -> None:
-        """Copy this rank's rows of piece `piece` of a full checkpoint tensor (`weight` or `bias`)."""
+    def load_weight(self, param: str, loaded: torch.Tensor | QuantizedWeight, piece: int = 0) -> None:
+        """Copy this rank's rows of piece `piece` of a full checkpoint tensor (`weight` or `bias`);
+        a quantized weight's rows are kept as codes (`keep_quantized`)."""
         start, rows, offset = self.pieces[piece]
+        if isinstance(loaded, QuantizedWeight):
+            keep_quantized(self.linear, loaded.narrow(0, start, rows), (offset, rows))
+            return
         getattr(self.linear, param).data[offset : offset + rows].copy_(loaded.narrow(0, start, rows))
 
     def weight_keys(self) -> list[str]:
@@ -293,9 +299,13 @@ class RowParallelLinear(nn.Module):
     def load_weight(self, param: str, loaded: torch.Tensor, piece: int = 0) -> None:
         """Copy this rank's columns of the full weight (or the whole bias)."""
         if param == "bias":
-            self.bias.data.copy_(loaded)
+            self.bias.data.copy_(as_float(loaded))
+            return
+        loaded = loaded.narrow(1, self.start, self.cols)
+        if isinstance(loaded, QuantizedWeight):  # (columns that split a group came back as float)
+            keep_quantized(self.linear, loaded)
         else:
-            self.linear.weight.data.copy_(loaded.narrow(1, self.start, self.cols))
+            self.linear.weight.data.copy_(loaded)
 
     def weight_keys(self) -> list[str]:
         return ["weight#0"] + (["bias#0"] if self.bias is not None else [])
@@ -337,8 +347,9 @@ class VocabParallelEmbedding(nn.Module):
         x = F.embedding(local.masked_fill(outside, 0), self.weight)
         return all_reduce(x.masked_fill_(outside[:, None], 0))
 
-    def load_weight(self, param: str, loaded: torch.Tensor, piece: int = 0) -> None:
-        self.weight.data[: self.rows].copy_(loaded.narrow(0, self.start, self.rows))
+    def load_weight(self, param: str, loaded: torch.Tensor | QuantizedWeight, piece: int = 0) -> None:
+        self._checkpoint_quantized = isinstance(loaded, QuantizedWeight)  # (a tied head follows it)
+        self.weight.data[: self.rows].copy_(as_float(loaded.narrow(0, self.start, self.rows)))
 
     def weight_keys(self) -> list[str]:
         return ["weight#0"]
@@ -396,12 +407,20 @@ class ParallelLMHead(nn.Module):
         """Hold the (local) weight in oneDNN's layout; CPU only."""
         from ..layers.prepack import PackedLinear
 
+        if self.packed is not None:  # already quantized (`--quantization gguf`'s int8 head)
+            return
         self.packed = PackedLinear(self.local_weight(), None)
         if not self._tied:
             del self.weight  # the packed copy replaces it
 
-    def load_weight(self, param: str, loaded: torch.Tensor, piece: int = 0) -> None:
-        self.weight.data[: self.rows].copy_(loaded.narrow(0, self.start, self.rows))
+    @property
+    def checkpoint_quantized(self) -> bool:
+        """Whether the checkpoint stores this head's weight (or the tied embedding) quantized."""
+        return getattr(self._tied[0] if self._tied else self, "_checkpoint_quantized", False)
+
+    def load_weight(self, param: str, loaded: torch.Tensor | QuantizedWeight, piece: int = 0) -> None:
+        self._checkpoint_quantized = isinstance(loaded, QuantizedWeight)
+        self.weight.data[: self.rows].copy_(as_float(loaded.narrow(0, self.start, self.rows)))
 
     def weight_keys(self) -> list[str]:
         return [] if self._tied else ["weight#0"]

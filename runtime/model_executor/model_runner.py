@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -22,6 +23,7 @@ from ..distributed.parallel import (
     threads_per_rank,
 )
 from ..kernels.cpu import cpu_kernels
+from ..layers.quantization import build_quantized_layers, quantize_model
 from ..mem_cache.memory_pool import KVPool
 from ..models import get_model_class
 from ..server_args import ServerArgs, kv_cache_torch_dtype
@@ -29,7 +31,9 @@ from . import weight_arena
 from .attention import make_attention_backend
 from .cuda_graph import make_decode_graph_runner
 from .forward_batch import ForwardBatch
+from .gguf_weights import gguf_index, read_tensors
 from .model_loader import load_config, load_tokenizer, load_weights, resolve_model
+from .quantized_checkpoint import assemble, checkpoint_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +64,24 @@ def _available_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+@contextlib.contextmanager
+def _no_weight_init():
+    """Build a model without the random init of its parameters: every one is then loaded from the
+    checkpoint (`load_weights` checks each is filled), and the float weights of layers built from
+    quantized codes are never written (their pages never become resident)."""
+    from torch.nn import init
+
+    names = ("kaiming_uniform_", "uniform_", "normal_", "trunc_normal_", "xavier_uniform_")
+    saved = {name: getattr(init, name) for name in names}
+    for name in names:
+        setattr(init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(init, name, fn)
+
+
 class ModelRunner:
     """Holds the model, tokenizer and KV pool; `forward(batch)` returns logits at `batch.logits_index`.
 
@@ -77,7 +99,13 @@ class ModelRunner:
             torch.set_num_threads(threads_per_rank(args))
         init_tensor_parallel(args, rank)  # before the model: its layers take their shard sizes from it
         self.channel = StepChannel() if args.tp_size > 1 else None
-        self.model_path = resolve_model(args.model, revision=args.revision)
+        self.model_path = resolve_model(args.model, revision=args.revision, float_weights=False)
+        index = gguf_index(self.model_path)
+        if args.quantization == "gguf" and index is None:
+            raise ValueError(
+                f"--quantization gguf computes with a GGUF file's own types, and {args.model!r} is not a "
+                "GGUF; use int8 or int4 to quantize its weights"
+            )
         self.config = load_config(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
         model_cls = get_model_class(self.config)
@@ -85,10 +113,19 @@ class ModelRunner:
         self.context_len = args.context_length or self.config.max_position_embeddings
         if self.device.type == "cpu":  # the fused small-op kernels (built once per machine)
             cpu_kernels.load()
-        self.model = model_cls(self.config, max_positions=self.context_len)
+        with _no_weight_init():
+            self.model = model_cls(self.config, max_positions=self.context_len)
+        # GPTQ / AWQ, and a GGUF under int4 / gguf (its 4-bit tensors; gguf: all its quantized ones):
+        # layers built from the checkpoint's codes
+        from_file = index is not None and args.quantization in ("int4", "gguf")
+        checkpoint_quant = checkpoint_quantization(self.config)
+        native = from_file or checkpoint_quant is not None
+        source = read_tensors(index, self.config, args.quantization) if from_file else load_weights(self.model_path)
+        if checkpoint_quant is not None:
+            source = assemble(source, checkpoint_quant)
         # A progress bar on a terminal (plait serve); silent in logs and tests.
         weights = tqdm(
-            load_weights(self.model_path),
+            source,
             desc="loading weights",
             unit=" tensors",
             disable=not sys.stderr.isatty(),
@@ -96,11 +133,17 @@ class ModelRunner:
         )
         self.model.load_weights(weights)
         self.model.to(device=self.device, dtype=self.dtype).eval()
+        if native:  # the layers the file's codes make
+            build_quantized_layers(self.model)
         if args.quantization:  # quantized layers replace the float ones (and prepacking)
-            from ..layers.quantization import quantize_model
-
             quantize_model(self.model, args.quantization)
-        elif self.device.type == "cpu" and not (args.disable_weight_prepack or args.enable_torch_compile):
+        if args.quantization == "gguf" and self.device.type == "cpu" and not args.disable_weight_prepack:
+            self.model.prepack_for_cpu()  # the file's float layers (and a float head)
+        elif (
+            not args.quantization
+            and self.device.type == "cpu"
+            and not (args.disable_weight_prepack or args.enable_torch_compile)
+        ):
             self.model.prepack_for_cpu()  # (inductor cannot lower prepacked weights)
         # RoPE tables stay float32 for accuracy; they are cast per step.
         self.model.rope_cos = self.model.rope_cos.float()

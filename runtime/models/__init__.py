@@ -21,22 +21,12 @@ MODEL_REGISTRY = {
 }
 
 
-SERVED_WEIGHTS = (
-    "float checkpoints (float32 / bfloat16 / float16; --quantization int8 | int4 | fp8 quantizes them at "
-    "load) and GGUF files (every tensor type, dequantized at load)"
-)
-
-
 def get_model_class(config) -> type:
     """The model class for a HF config; a ValueError naming the supported ones otherwise (also for
-    a checkpoint quantized in a format plait does not load: GPTQ, AWQ, ...)."""
-    quant = getattr(config, "quantization_config", None)
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-        raise ValueError(
-            f"the checkpoint is quantized with {str(method or 'an unnamed method')!r}, which plait does not "
-            f"load; it serves {SERVED_WEIGHTS}"
-        )
+    a checkpoint quantized in a format plait does not load)."""
+    from ..model_executor.quantized_checkpoint import checkpoint_quantization
+
+    checkpoint_quantization(config)
     archs = getattr(config, "architectures", None) or []
     for arch in archs:
         if arch in MODEL_REGISTRY:

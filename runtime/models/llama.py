@@ -21,6 +21,7 @@ from ..distributed.parallel import (
     unwrap_single_rank,
 )
 from ..kernels.cpu import cpu_kernels
+from ..layers.quantization import as_float
 from ..model_executor.attention import AttentionBackend
 from ..model_executor.forward_batch import ForwardBatch
 
@@ -383,7 +384,7 @@ class LlamaForCausalLM(nn.Module):
                 module.load_weight(param, tensor, piece)
                 filled.add(f"{module_name}.{param}#{piece}")
             elif name in params:
-                params[name].data.copy_(tensor)
+                params[name].data.copy_(as_float(tensor))
                 filled.add(name)
             else:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed.parallel import all_reduce, balanced_split, tp_size
+from ..layers.quantization import as_float
 from .llama import MLP, DecoderLayer, LlamaForCausalLM
 
 # Mixtral's names -> Qwen's
@@ -156,9 +157,9 @@ class MoEForCausalLM(LlamaForCausalLM):
                     name = name.replace(theirs, ours)
                 short = name.removeprefix("model.")
                 if m := _PER_EXPERT.match(short):
-                    experts[m[1]].load_expert(int(m[2]), m[3], tensor)
+                    experts[m[1]].load_expert(int(m[2]), m[3], as_float(tensor))
                 elif m := _STACKED_EXPERTS.match(short):
-                    experts[m[1]].load_stacked(m[2], tensor)
+                    experts[m[1]].load_stacked(m[2], as_float(tensor))
                 else:
                     yield name, tensor
 

@@ -61,7 +61,7 @@ class DraftModel:
 
     def __init__(self, args: ServerArgs, target: ModelRunner):
         name = args.speculative_draft_model
-        path = resolve_model(name)
+        path = resolve_model(name, float_weights=False)
         check_vocab_size(name, load_config(path).vocab_size, target.vocab_size)  # before loading weights
         if args.speculative_draft_quantization is not None:
             from ..layers.quantization import QUANTIZATIONS

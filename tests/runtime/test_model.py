@@ -177,9 +177,9 @@ def test_unsupported_quantized_checkpoint(tmp_path, tiny_model_dirs):
 
     shutil.copytree(tiny_model_dirs["llama"], tmp_path / "m", dirs_exist_ok=True)
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="quantized with 'gptq'.*GGUF"):
+    with pytest.raises(ValueError, match="quantized with 'bitsandbytes'.*GPTQ.*GGUF"):
         ModelRunner(ServerArgs(model=str(tmp_path / "m"), max_total_tokens=64))
 
 

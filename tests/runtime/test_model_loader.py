@@ -143,7 +143,7 @@ def test_concurrent_publish_keeps_one_complete_folder(tmp_path, gguf_path, monke
     monkeypatch.setattr(model_loader, "_convert_gguf", fake_convert)
     cache = str(tmp_path / "cache")
     final_holder["final"] = os.path.join(cache, "gguf", model_loader._gguf_cache_key(os.path.realpath(gguf_path)))
-    out = resolve_model(gguf_path, cache_dir=cache)
+    out = resolve_model(gguf_path, cache_dir=cache, float_weights=False)
     assert out == final_holder["final"]
     with open(os.path.join(out, "config.json")) as fh:
         assert fh.read() == "theirs"
@@ -158,7 +158,7 @@ def test_failed_conversion_leaves_nothing(tmp_path, gguf_path, monkeypatch) -> N
     monkeypatch.setattr(model_loader, "_convert_gguf", boom)
     cache = str(tmp_path / "cache")
     with pytest.raises(RuntimeError, match="conversion failed"):
-        resolve_model(gguf_path, cache_dir=cache)
+        resolve_model(gguf_path, cache_dir=cache, float_weights=False)
     assert [n for n in os.listdir(os.path.join(cache, "gguf")) if not n.endswith(".lock")] == []
 
 

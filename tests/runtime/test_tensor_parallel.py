@@ -271,14 +271,11 @@ def _rank_main(args: ServerArgs, rank: int, results) -> None:
     exit_rank(0)  # as the engine's ranks end
 
 
-@pytest.mark.parametrize("arch", ["llama3-rope", "qwen3", "qwen2-moe"])  # + experts split, shared expert
-def test_tp2_step_logits_match_tp1(arch, tiny_model_dirs):
-    """The raw float32 logits of every step (chunked prefills and decodes) agree within 1e-4."""
+def tp2_and_tp1_step_logits(model: str) -> tuple[list, list]:
+    """Every step's logits (chunked prefills and decodes of PROMPTS) at tp_size 2, then 1."""
     import multiprocessing as mp
 
-    import numpy as np
-
-    common = {"model": tiny_model_dirs[arch], "dtype": "float32", "max_total_tokens": 4096, "chunked_prefill_size": 32}
+    common = {"model": model, "dtype": "float32", "max_total_tokens": 4096, "chunked_prefill_size": 32}
     ref = _step_logits(*_recording_scheduler(ServerArgs(**common)), 10)
     args = ServerArgs(**common, tp_size=2, dist_init_addr=f"127.0.0.1:{free_port()}", dist_timeout=60)
     ctx = mp.get_context("spawn")
@@ -297,6 +294,15 @@ def test_tp2_step_logits_match_tp1(arch, tiny_model_dirs):
             if p.is_alive():
                 p.kill()
     assert len(got) == len(ref) > len(PROMPTS)
+    return got, ref
+
+
+@pytest.mark.parametrize("arch", ["llama3-rope", "qwen3", "qwen2-moe"])  # + experts split, shared expert
+def test_tp2_step_logits_match_tp1(arch, tiny_model_dirs):
+    """The raw float32 logits of every step (chunked prefills and decodes) agree within 1e-4."""
+    import numpy as np
+
+    got, ref = tp2_and_tp1_step_logits(tiny_model_dirs[arch])
     for a, b in zip(got, ref, strict=True):
         assert a.shape == b.shape and a.shape[1] == 49152
         assert np.abs(a - b).max() <= TOL
