@@ -31,23 +31,12 @@ def smollm2_path() -> str:
 
 
 def quantizable_llama_config():
-    """A 2-layer llama whose rows hold 256 values (hidden 256, intermediate 512): K-quants'
-    super-blocks and GPTQ / AWQ groups of 128 fit; SmolLM2's vocabulary, tied embeddings."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=49152,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    """The tiny llama with rows of 256 values (hidden 256, intermediate 512): K-quants'
+    super-blocks and GPTQ / AWQ groups of 128 fit."""
+    config = _tiny_config("llama", 49152)
+    config.hidden_size, config.intermediate_size, config.head_dim = 256, 512, 64
+    config.initializer_range = 0.02
+    return config
 
 
 def _tiny_config(arch: str, vocab_size: int):
