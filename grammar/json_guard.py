@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
 import torch
 
 from .base import Matcher
@@ -66,10 +67,10 @@ class JsonLimits:
     max_string_length: int = 512
 
 
-@dataclasses.dataclass(frozen=True)
-class _State:
+class _State(NamedTuple):
     """Where the text so far stands, lexically (outside a string, `run` counts the current
-    number's digits of part `part`: 0 integer, 1 fraction, 2 exponent)."""
+    number's digits of part `part`: 0 integer, 1 fraction, 2 exponent). A tuple: `_scan` runs on
+    every token, and unpacks it."""
 
     in_string: bool = False
     escape: bool = False
@@ -82,7 +83,7 @@ class _State:
 
 def _scan(s: _State, data: bytes) -> _State:
     """The state after `data` (a token's bytes)."""
-    in_string, escape, str_len, in_number, part, run, depth = dataclasses.astuple(s)
+    in_string, escape, str_len, in_number, part, run, depth = s
     for c in data:
         if in_string:
             if escape:
@@ -168,8 +169,6 @@ class GuardTables:
     """Per-tokenizer packed masks (built once; a Python pass over the vocabulary at build time only)."""
 
     def __init__(self, info: "TokenizerInfo") -> None:
-        import numpy as np
-
         from .bitmask import bitmask_width
 
         self.token_bytes = info.token_bytes
@@ -198,8 +197,8 @@ class GuardTables:
             quote[e] = string_end[e] = closer[e] = True
         self._lead = lead
         self._shifts = torch.arange(32, dtype=torch.int64)
-        self.length = torch.from_numpy(length)  # bytes per token (0: special tokens)
-        self._shifts32 = torch.arange(32, dtype=torch.int32)
+        self._length_np = length  # bytes per token (0: special tokens)
+        self._shifts_np = np.arange(32, dtype=np.int32)
         self.quote = self._pack(quote)
         self.string_end = self._pack(string_end)
         self.closer = self._pack(closer)
@@ -215,13 +214,15 @@ class GuardTables:
     def longest(self, row: "torch.Tensor") -> int:
         """The allowed token of packed mask row `row` with the most bytes (the lowest id among
         equals; EOS where it is the only one; -1 if none). Unpacks only the nonzero words: a
-        closing mask allows a few tokens."""
-        words = row.nonzero().flatten()
+        closing mask allows a few tokens. (numpy on the row's memory: a closing walk calls this
+        at every step, and torch's per-op cost is most of the time of ops on ~1500 words.)"""
+        r = row.numpy()
+        words = np.flatnonzero(r)
         if not len(words):
             return -1
-        bits = (row[words].unsqueeze(-1) >> self._shifts32) & 1  # [words, 32]
-        ids = (words.unsqueeze(-1) * 32 + self._shifts32).flatten()
-        lengths = torch.where(bits.flatten().bool(), self.length[ids], -1)
+        bits = (r[words, None] >> self._shifts_np) & 1  # [words, 32]
+        ids = (words[:, None] * 32 + self._shifts_np).ravel()
+        lengths = np.where(bits.ravel() != 0, self._length_np[ids], -1)
         return int(ids[lengths.argmax()])
 
     def digits(self, room: int) -> "torch.Tensor":
@@ -255,7 +256,7 @@ class JsonGuard(Matcher):
         )
         self.state = _State()
         self._history: list[tuple] = []  # per accepted token: what rollback restores (_saved)
-        self._scratch = torch.empty_like(tables.quote)
+        self._scratch = np.empty(tables.quote.shape, dtype=np.int32)
         self._probe = torch.empty(1, tables.quote.shape[0], dtype=torch.int32)
         # tokens left at the first estimate: soon enough for the schema's close, with room to spare
         self._probe_at = (
@@ -294,9 +295,10 @@ class JsonGuard(Matcher):
         if left <= self._probe_at:
             self._need = self._shortest_close(limit=min(left, PROBE_STEPS))
             soft = self._soft_zone()
-            # the next estimate when half the slack to the soft zone is spent (few walks while the
-            # end is far), inside it every few tokens
-            self._probe_at = left - max(PROBE_EVERY, (left - soft) // 2, self._need // 8 if left <= soft else 0)
+            # the next estimate when three quarters of the slack to the soft zone are spent (few
+            # walks while the end is far: each costs a mask a step of the close), inside it every
+            # few tokens
+            self._probe_at = left - max(PROBE_EVERY, (left - soft) * 3 // 4, self._need // 8 if left <= soft else 0)
         self._soft = left <= self._soft_zone()
         self._closing_now = left <= self._need + self._margin()
         return self._closing_now
@@ -346,12 +348,13 @@ class JsonGuard(Matcher):
             self.inner.rollback(steps)
 
     def _narrow(self, r: "torch.Tensor", tiers: list["torch.Tensor"]) -> None:
-        """Narrow mask row `r` to the first tier that leaves a token (unchanged if none does)."""
-        narrowed = self._scratch
+        """Narrow mask row `r` to the first tier that leaves a token (unchanged if none does);
+        numpy on the tensors' memory, as `GuardTables.longest`."""
+        row, narrowed = r.numpy(), self._scratch
         for m in tiers:
-            torch.bitwise_and(r, m, out=narrowed)
-            if bool(narrowed.any()):
-                r.copy_(narrowed)
+            np.bitwise_and(row, m.numpy(), out=narrowed)
+            if narrowed.any():
+                row[:] = narrowed
                 return
 
     def accept(self, token_id: int) -> bool:
