@@ -291,17 +291,69 @@ def absent_keys(node: dict) -> dict | bool:
     return out
 
 
-def strict_schema(node, in_all_of: bool = False, close: bool = True, *, root: Any = None, path: str = "#"):
+# applicators whose subschemas constrain the same instance as the schema holding them: an object they
+# describe is a part of one, so strict mode leaves it open (see `strict_schema`)
+_SAME_INSTANCE = ("allOf", "if", "then", "else", "not", "dependentSchemas")
+
+
+def _partial_branches(node: dict) -> bool:
+    """Whether the node's anyOf / oneOf branches add to keys it declares itself (then each branch
+    is a part of the object, not all of it)."""
+    return any(k in node for k in ("properties", "patternProperties", "allOf", "$ref", "additionalProperties"))
+
+
+def _open_refs(root: Any) -> set[str]:
+    """The local `$ref`s (as written) that some schema reaches in a same-instance position (inside an
+    allOf branch, a conditional, or the branches of an object that declares keys itself), followed
+    through the definitions they name: strict mode leaves their targets open."""
+    found: set[str] = set()
+    todo: list[Any] = []
+
+    def walk(node: Any, open_: bool) -> None:
+        if isinstance(node, list):
+            for x in node:
+                walk(x, open_)
+            return
+        if not isinstance(node, dict):
+            return
+        ref = node.get("$ref")
+        if open_ and isinstance(ref, str) and ref.startswith("#") and ref not in found:
+            found.add(ref)
+            todo.append(resolve_local_ref(root, ref))
+        for k, v in node.items():
+            if k in _SAME_INSTANCE:
+                walk(v if k != "dependentSchemas" or not isinstance(v, dict) else list(v.values()), True)
+            elif k in ("anyOf", "oneOf"):
+                walk(v, open_ or _partial_branches(node))
+            elif k in _SUBSCHEMA or k in _SUBSCHEMA_LISTS:
+                walk(v, False)
+            elif k in ("properties", "patternProperties") and isinstance(v, dict):
+                walk(list(v.values()), False)
+            elif k in ("$defs", "definitions") and node is root and isinstance(v, dict):
+                walk(list(v.values()), False)
+
+    walk(root, False)
+    while todo:
+        walk(todo.pop(), True)
+    return found
+
+
+def strict_schema(node, close: bool = True, *, root: Any = None, path: str = "#", _open: set | None = None):
     """A copy of the schema for llguidance: `oneOf` over `required` lists made exclusive (see
     `exclusive_required`), conditionals keyed on property values as branches (see
     `conditional_branches`); and with `close`, objects that list `properties` and say nothing of other
     keys forbid them (`additionalProperties: false`) — what xgrammar's strict mode does, so that a
-    model writes the declared keys and stops instead of inventing more. Branches of an `allOf` are
-    left open: closing each would forbid the keys the other branches declare. `root` and `path`
-    (the node's JSON pointer) let a rewrite keep `$ref`s into what it moves pointing right."""
-    root = node if root is None else root
+    model writes the declared keys and stops instead of inventing more. An object that is only a
+    part of one is left open, with all it contains: the branches of an `allOf`, the subschemas of
+    `if` / `then` / `else` / `not`, the `anyOf` / `oneOf` branches of an object that declares keys
+    itself, and the definitions those refer to (closing a part would forbid the keys the other
+    parts declare, and a required one would make the schema unsatisfiable). `root` and `path` (the
+    node's JSON pointer) let a rewrite keep `$ref`s into what it moves pointing right."""
+    if root is None:
+        root = node
+        _open = _open_refs(node) if close else set()
     if isinstance(node, list):
-        return [strict_schema(x, close=close, root=root, path=f"{path}/{i}") for i, x in enumerate(node)]
+        return [strict_schema(x, close=close, root=root, path=f"{path}/{i}", _open=_open) for i, x in enumerate(node)]
     if not isinstance(node, dict):
         return node
     node = conditional_branches(node, root, path) or node
@@ -309,21 +361,31 @@ def strict_schema(node, in_all_of: bool = False, close: bool = True, *, root: An
     if node is False:
         return False
     out = {}
+    partial = _partial_branches(node)
     for k, v in node.items():
         at = f"{path}/{_escape(k)}"
+        # a part of this object (or of its instance) is left open, with all it contains
+        sub_close = close and k not in _SAME_INSTANCE and not (k in ("anyOf", "oneOf") and partial)
         if k in _SUBSCHEMA:
-            out[k] = strict_schema(v, close=close, root=root, path=at)
+            out[k] = strict_schema(v, close=sub_close, root=root, path=at, _open=_open)
         elif k == "oneOf" and "anyOf" not in node and isinstance(v, list) and (ex := exclusive_required(v)):
             out["anyOf"] = ex
         elif k in _SUBSCHEMA_LISTS and isinstance(v, list):
-            out[k] = [strict_schema(x, close=close, root=root, path=f"{at}/{i}") for i, x in enumerate(v)]
-        elif k == "allOf" and isinstance(v, list):
             out[k] = [
-                strict_schema(x, in_all_of=True, close=close, root=root, path=f"{at}/{i}") for i, x in enumerate(v)
+                strict_schema(x, close=sub_close, root=root, path=f"{at}/{i}", _open=_open) for i, x in enumerate(v)
             ]
+        elif k == "allOf" and isinstance(v, list):
+            out[k] = [strict_schema(x, close=False, root=root, path=f"{at}/{i}", _open=_open) for i, x in enumerate(v)]
         elif k in _SUBSCHEMA_MAPS and isinstance(v, dict):
             out[k] = {
-                name: strict_schema(x, close=close, root=root, path=f"{at}/{_escape(name)}") for name, x in v.items()
+                name: strict_schema(
+                    x,
+                    close=sub_close and f"{at}/{_escape(name)}" not in (_open or ()),
+                    root=root,
+                    path=f"{at}/{_escape(name)}",
+                    _open=_open,
+                )
+                for name, x in v.items()
             }
         else:
             out[k] = v
@@ -331,8 +393,7 @@ def strict_schema(node, in_all_of: bool = False, close: bool = True, *, root: An
         return out
     props = node.get("properties")
     if (
-        not in_all_of
-        and isinstance(props, dict)
+        isinstance(props, dict)
         and "allOf" not in node
         # a required key the properties do not declare stays writable (closing would make it unsatisfiable)
         and all(k in props for k in node.get("required", ()) if isinstance(k, str))

@@ -38,6 +38,40 @@ def require_schema(schema: Any, where: str) -> None:
         validators.validator_for(schema).check_schema(schema)
     except exceptions.SchemaError as e:
         raise ApiError(400, f"{where} is not a valid JSON schema: {e.message}") from None
+    if (ref := remote_ref(schema)) is not None:
+        raise ApiError(
+            400,
+            f"{where}: $ref {ref!r} points outside the schema; plait does not fetch remote schemas "
+            "(inline the definition)",
+        )
+
+
+def remote_ref(schema: Any) -> str | None:
+    """The first `$ref` that names a resource the schema does not hold (another document, fetched by
+    URL), or None: no grammar can follow it, and no validator could check the output against it."""
+    from urllib.parse import urldefrag, urljoin
+
+    def walk(node: Any, base: str, ids: set[str], refs: list[tuple[str, str]]) -> None:
+        if isinstance(node, list):
+            for x in node:
+                walk(x, base, ids, refs)
+        elif isinstance(node, dict):
+            if isinstance(node.get("$id"), str):
+                base = urldefrag(urljoin(base, node["$id"]))[0]
+                ids.add(base)
+            if isinstance(node.get("$ref"), str):
+                refs.append((base, node["$ref"]))
+            for k, v in node.items():
+                if k not in ("enum", "const", "default", "examples"):  # data, not schemas
+                    walk(v, base, ids, refs)
+
+    ids: set[str] = {""}
+    refs: list[tuple[str, str]] = []
+    walk(schema, "", ids, refs)
+    for base, ref in refs:
+        if urldefrag(urljoin(base, ref))[0] not in ids:
+            return ref
+    return None
 
 
 def content_text(content: Any, i: int) -> str:

@@ -757,3 +757,40 @@ def test_outlines_blowup_guard(tokenizer):
         assert cache.get(GrammarSpec.from_regex("[0-9]+"), timeout=30).matcher().accept(ids_of(tokenizer, "42")[0])
     finally:
         cache.shutdown()
+
+
+def test_strict_mode_leaves_parts_of_an_object_open(tokenizer):
+    """An object that is only a part of one (an allOf branch, a conditional's then / else, the
+    branches of an object that declares keys, a definition those refer to) is left open: closing it
+    forbids what the other parts declare (dependabot's schema: `version` unsatisfiable)."""
+    from plait.grammar.schema_rewrite import strict_schema
+
+    schema = {  # the shape of SchemaStore's dependabot-2.0 schema
+        "type": "object",
+        "required": ["version", "updates"],
+        "properties": {
+            "version": {"const": 2},
+            "updates": {"type": "array", "items": {"$ref": "#/definitions/update"}},
+        },
+        "definitions": {
+            "update": {"type": "object", "properties": {"ecosystem": {"type": "string"}, "dir": {"type": "string"}}},
+            "part": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        },
+        "allOf": [
+            {
+                "if": {"required": ["beta"]},
+                "then": {},
+                "else": {"properties": {"updates": {"items": {"properties": {"ecosystem": {"enum": ["npm"]}}}}}},
+            },
+            {"anyOf": [{"$ref": "#/definitions/part"}, {"required": ["version"]}]},
+        ],
+    }
+    s = strict_schema(schema)
+    else_ = s["allOf"][0]["else"]
+    assert "additionalProperties" not in else_ and "additionalProperties" not in else_["properties"]["updates"]["items"]
+    assert "additionalProperties" not in s["definitions"]["part"]  # referred to from an allOf branch
+    assert s["definitions"]["update"]["additionalProperties"] is False  # a whole object: closed
+    doc = {"version": 2, "updates": [{"ecosystem": "npm", "dir": "/"}]}
+    grammar = make_backend("llguidance", tokenizer, VOCAB).compile(GrammarSpec.from_json_schema(schema))
+    m = grammar.matcher()
+    assert all(m.accept(t) for t in ids_of(tokenizer, json.dumps(doc))) and m.can_end()

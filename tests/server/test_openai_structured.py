@@ -275,6 +275,23 @@ def assert_call(call, names=PARAMS) -> None:
     jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
 
 
+def test_a_remote_ref_is_refused_by_name():
+    """A $ref into another document cannot be followed by a grammar or checked by a validator: 400."""
+    from plait.runtime.server.http_common import ApiError
+    from plait.runtime.server.openai_fields import remote_ref, require_schema
+
+    k8s = "https://json.schemastore.org/kubernetes-definitions.json#/definitions/ObjectMeta"
+    schema = {"type": "object", "properties": {"meta": {"$ref": k8s}, "n": {"$ref": "#/$defs/n"}}, "$defs": {"n": {}}}
+    with pytest.raises(ApiError, match="ObjectMeta' points outside the schema") as e:
+        require_schema(schema, "response_format.json_schema.schema")
+    assert e.value.status == 400
+    # refs inside the schema, by pointer or by an $id it holds, are its own
+    inner = {"$id": "https://example.com/root.json", "$defs": {"a": {"$id": "a.json", "type": "string"}}}
+    assert remote_ref({**inner, "properties": {"x": {"$ref": "a.json"}, "y": {"$ref": "#/$defs/a"}}}) is None
+    assert remote_ref({**inner, "properties": {"x": {"$ref": "b.json"}}}) == "b.json"
+    assert remote_ref({"enum": [{"$ref": "https://x"}]}) is None  # data, not a schema
+
+
 # --- structured output ------------------------------------------------------------------------
 @pytest.mark.integration
 def test_response_format_json_schema(oai):
