@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml Makefile $(wildcard runtime/kernels/cpu/csrc/*)
 	# Build the fused CPU kernels (cached under ~/.cache/torch_extensions), not in a server's start-up:
 	# the PLAIT_CPU_MARCH path (native by default) and every lower one this CPU runs, for the tests.
 	$(PY) -m plait.runtime.kernels.cpu.cpu_kernels
-	# Convert the GGUF once (cached under ~/.cache/plait) so the first run starts fast.
-	$(PY) -c "from plait.runtime.model_executor.model_loader import resolve_model; print('default model:', resolve_model('smollm2'))"
+	# Read the GGUF's config and tokenizer once (cached under ~/.cache/plait) so the first run starts fast;
+	# the weights are read from the GGUF itself at each start.
+	$(PY) -c "from plait.runtime.model_executor.model_loader import resolve_model; print('default model:', resolve_model('smollm2', float_weights=False))"
 	touch $(STAMP)
 
 # The main job: serve the default model (SGLang-native and OpenAI APIs) on 127.0.0.1:30000.
