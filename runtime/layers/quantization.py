@@ -63,9 +63,9 @@ per-token activation scales through `torch._scaled_mm`; other GPUs fall back to 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -510,7 +510,7 @@ def make_quantized_linear(
     return Int8Linear(weight, bias, kernel)  # (int4 with K not a multiple of the group: int8)
 
 
-@dataclass
+@dataclasses.dataclass
 class QuantizedWeight:
     """A checkpoint's 2-D weight kept quantized on its way into a layer (a GGUF tensor read as the
     file stores it): `kind` "int4", `W[n, k] = codes[n, k] * scale[n, g] + minimum[n, g]` over groups
@@ -550,19 +550,25 @@ class QuantizedWeight:
         if start == 0 and length == self.shape[dim]:
             return self
         if dim == 0:
-            pick = lambda t: None if t is None else t.narrow(0, start, length)  # noqa: E731
-            return QuantizedWeight(
-                self.kind, pick(self.codes), pick(self.scale), pick(self.minimum), self.source, self.perm
-            )
-        if self.perm is not None:
-            return self.dequantize().narrow(1, start, length)
-        if self.kind == "int8":
-            return QuantizedWeight("int8", self.codes.narrow(1, start, length), self.scale, None, self.source)
+            return self.map(lambda t: t.narrow(0, start, length), perm=self.perm)
+        codes = self.codes.narrow(1, start, length)
+        if self.kind == "int8" and self.perm is None:
+            return dataclasses.replace(self, codes=codes)
         g = self.codes.shape[1] // self.scale.shape[1]
-        if start % g or length % g:
+        if self.perm is not None or start % g or length % g:
             return self.dequantize().narrow(1, start, length)
-        pick = lambda t: t.narrow(1, start // g, length // g)  # noqa: E731
-        return QuantizedWeight("int4", self.codes.narrow(1, start, length), pick(self.scale), pick(self.minimum))
+        groups = lambda t: t.narrow(1, start // g, length // g)  # noqa: E731
+        return dataclasses.replace(self, codes=codes, scale=groups(self.scale), minimum=groups(self.minimum))
+
+    def map(self, fn, perm: torch.Tensor | None = None) -> QuantizedWeight:
+        """`fn` applied to the codes, scales and minimums (`perm` given anew: `fn` may not fit it)."""
+        return dataclasses.replace(
+            self,
+            codes=fn(self.codes),
+            scale=fn(self.scale),
+            minimum=None if self.minimum is None else fn(self.minimum),
+            perm=perm,
+        )
 
     def split(self, sizes: list[int]) -> list[QuantizedWeight]:
         """Consecutive row blocks (a fused checkpoint tensor's pieces), as `torch.Tensor.split`."""
@@ -590,13 +596,11 @@ def _cat_quantized(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
     if len({p.kind for p in parts}) > 1:
         parts = [p if p.kind == "int8" else QuantizedWeight("int8", *quantize_int8(p.dequantize())) for p in parts]
     cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
-    return QuantizedWeight(
-        parts[0].kind,
-        cat([p.codes for p in parts]),
-        cat([p.scale for p in parts]),
-        cat([p.minimum for p in parts]),
-        parts[0].source,
-        parts[0].perm,
+    return dataclasses.replace(
+        parts[0],
+        codes=cat([p.codes for p in parts]),
+        scale=cat([p.scale for p in parts]),
+        minimum=cat([p.minimum for p in parts]),
     )
 
 
@@ -616,10 +620,8 @@ class InputPermuted(nn.Module):
 
 def quantized_layer(w: QuantizedWeight, bias: torch.Tensor | None) -> nn.Module:
     """The layer that computes with `w`'s own codes."""
-    if w.kind == "int4" and w.codes.shape[1] // w.scale.shape[1] == INT4_GROUP_SIZE:
+    if w.kind == "int4":
         layer = Int4Linear.from_codes(w.codes.contiguous(), w.scale, w.minimum, bias)
-    elif w.kind == "int4":
-        return Int8Linear(w.dequantize(), bias)
     else:
         layer = Int8Linear.from_codes(w.codes, w.scale, bias)
     return layer if w.perm is None else InputPermuted(layer, w.perm)
@@ -657,13 +659,16 @@ def build_quantized_layers(model: nn.Module) -> int:
         if w is None:
             _fill_float(mod, pieces)
             continue
-        move = lambda t: None if t is None else t.to(mod.weight.device)  # noqa: E731
-        w = QuantizedWeight(w.kind, move(w.codes), move(w.scale), move(w.minimum), w.source, move(w.perm))
-        layer = quantized_layer(w, bias)
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)
+        device = mod.weight.device
+        w = w.map(lambda t: t.to(device), perm=None if w.perm is None else w.perm.to(device))
+        _replace_module(model, name, quantized_layer(w, bias))
         built += 1
     return built
+
+
+def _replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
 
 
 def _is_plain_linear(mod: nn.Module) -> bool:
@@ -689,9 +694,7 @@ def quantize_model(model: nn.Module, method: str, kernel: str | None = None) -> 
     if method == "gguf":
         targets, heads = [], [h for h in heads if getattr(h, "checkpoint_quantized", False)]
     for name, mod in targets:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, make_quantized_linear(mod.weight, mod.bias, method, kernel))
+        _replace_module(model, name, make_quantized_linear(mod.weight, mod.bias, method, kernel))
     head_method = "int8" if method in ("int4", "gguf") else method
     for head in heads:
         head.packed = make_quantized_linear(head.local_weight(), None, head_method, kernel)

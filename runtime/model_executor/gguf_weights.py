@@ -76,6 +76,7 @@ def read_tensors(index: dict, config, keep: str | None = None) -> Iterator[tuple
     None) selects which quantized tensors stay quantized (see the module docstring)."""
     import torch
     from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     from ..layers.quantization import QuantizedWeight, quantize_int8
@@ -109,8 +110,6 @@ def read_tensors(index: dict, config, keep: str | None = None) -> Iterator[tuple
         if kind in _FLOAT_TYPES:
             arr = (raw.astype(np.uint32) << 16).view(np.float32) if kind == "BF16" else raw.astype(np.float32)
         else:
-            from gguf.quants import dequantize
-
             arr = dequantize(raw, GGMLQuantizationType[kind])
         weights, name = process(arr, t["name"])
         if name not in name_map:

@@ -119,7 +119,6 @@ class ModelRunner:
         # layers built from the checkpoint's codes
         from_file = index is not None and args.quantization in ("int4", "gguf")
         checkpoint_quant = checkpoint_quantization(self.config)
-        native = from_file or checkpoint_quant is not None
         source = read_tensors(index, self.config, args.quantization) if from_file else load_weights(self.model_path)
         if checkpoint_quant is not None:
             source = assemble(source, checkpoint_quant)
@@ -133,18 +132,16 @@ class ModelRunner:
         )
         self.model.load_weights(weights)
         self.model.to(device=self.device, dtype=self.dtype).eval()
-        if native:  # the layers the file's codes make
-            build_quantized_layers(self.model)
+        build_quantized_layers(self.model)  # the layers the checkpoint's codes make (if it kept any)
         if args.quantization:  # quantized layers replace the float ones (and prepacking)
             quantize_model(self.model, args.quantization)
-        if args.quantization == "gguf" and self.device.type == "cpu" and not args.disable_weight_prepack:
-            self.model.prepack_for_cpu()  # the file's float layers (and a float head)
-        elif (
-            not args.quantization
+        # float layers prepacked (with gguf, the file's float ones); inductor cannot lower prepacked weights
+        if (
+            args.quantization in (None, "gguf")
             and self.device.type == "cpu"
             and not (args.disable_weight_prepack or args.enable_torch_compile)
         ):
-            self.model.prepack_for_cpu()  # (inductor cannot lower prepacked weights)
+            self.model.prepack_for_cpu()
         # RoPE tables stay float32 for accuracy; they are cast per step.
         self.model.rope_cos = self.model.rope_cos.float()
         self.model.rope_sin = self.model.rope_sin.float()
