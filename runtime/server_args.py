@@ -102,7 +102,8 @@ class ServerArgs:
         None,
         "int8: per-channel int8 weights; int4: 4-bit weights in groups of 32 (GGUF Q4_1's scheme; a GGUF's "
         "Q4_0 / Q4_1 / Q4_K tensors are read as their codes; LM head int8); gguf: a GGUF's own types "
-        "(4-bit ones int4 from the file's codes, other quantized ones int8, float ones float); "
+        "(4-bit ones int4, 5- to 8-bit ones int8 with group scales, both from the file's codes; "
+        "2- and 3-bit ones int8; float ones float); "
         "fp8: CUDA sm90+ only (else int8)",
         QUANTIZATIONS,
     )

@@ -299,3 +299,81 @@ def url(engine):
 
     with serve(create_app(engine, served_model_name="smollm2")) as base:
         yield base
+
+
+def skip_without_fused_op(dtype: str, quantization: str | None = None) -> None:
+    """Skip where this path has no kernel for the decoder's projections in `dtype` / `quantization`
+    (a scalar build, or AVX-512 without BF16 for bfloat16 / without VNNI for int8 and int4): there
+    the model runs its layer loop, which the other tests cover."""
+    from plait.runtime.kernels.cpu import cpu_kernels
+
+    cpu_kernels.load()  # (a no op where a test chose its build already)
+    if quantization in ("int4", "gguf"):  # (gguf: int4_gemv and int8g_gemv, on the same condition)
+        has = cpu_kernels.int4_gemv_available()
+    elif quantization == "int8":
+        has = cpu_kernels.int8_gemv_available() or cpu_kernels.int8_rows_available()
+    else:
+        has = cpu_kernels.small_gemm_available(getattr(torch, dtype))
+    if not has:
+        pytest.skip(f"no fused decode op on this path for {dtype} {quantization or ''} projections")
+
+
+def decode_logits(
+    path: str,
+    fused: bool,
+    rows: int,
+    prompt: int = 9,
+    new: int = 9,
+    head_in_op: bool = True,
+    keep: dict | None = None,
+    **args,
+) -> tuple[list[torch.Tensor], int]:
+    """Every step's logits of `rows` greedy requests (request i: a `prompt + 5 i`-token prompt,
+    `new` tokens), with `decode_layers_` (`fused`) or the layer loop; and how many steps took the
+    fused op. With 2 or more rows the first request ends early: the rest keep their mirror rows,
+    which from 3 rows on leaves them in another order than the batch's (request 2 moves into the
+    gap). `head_in_op=False`: the LM head runs in Python after `decode_layers_`, not in `decode_step`.
+    `keep`: gets the scheduler ("sched")."""
+    from plait.runtime.request import GenerateInput
+    from plait.runtime.sampling_params import SamplingParams
+    from plait.runtime.scheduler.scheduler import Scheduler
+    from plait.runtime.server_args import ServerArgs
+
+    s = Scheduler(ServerArgs(model=path, max_total_tokens=4096, max_running_requests=rows, **args))
+    if keep is not None:
+        keep["sched"] = s
+    model, logits, fused_steps, whole_steps, head_kernel = s.runner.model, [], [0], [0], [0]
+    if not fused:
+        model._decode_plan = lambda *a: None
+    if not head_in_op:
+        model.lm_head.decode_kernel = lambda *a: None
+    begin, forward = model._begin_fused_decode, model.forward
+
+    def count(batch, *a):  # steps fused: their layers in one op, and from token ids to logits in one op
+        out = begin(batch, *a)
+        fused_steps[0] += out is not None
+        whole_steps[0] += out is not None and out[2]
+        # (the head has one of the op's kernels at these rows: not an int8 head's bfloat16 copy, 9+
+        # rows where the CPU has bfloat16 dot products, whose logits are rounded to bfloat16 first)
+        rows = batch.input_ids.shape[0]
+        head_kernel[0] += (
+            out is not None and model.lm_head.decode_kernel(rows, model.embed_tokens.weight.dtype) is not None
+        )
+        return out
+
+    model._begin_fused_decode = count
+    model.forward = lambda *a: logits.append(forward(*a)) or logits[-1]
+    for i in range(rows):
+        ids = [(37 * i + 11 * j) % 40000 + 100 for j in range(prompt + 5 * i)]
+        s.add_request(
+            GenerateInput(
+                rid=str(i),
+                input_ids=ids,
+                seed=i,
+                params=SamplingParams(max_new_tokens=4 if i == 0 and rows > 1 else new, temperature=0, ignore_eos=True),
+            )
+        )
+    while s.has_work():
+        s.step()
+    assert whole_steps[0] == (head_kernel[0] if head_in_op else 0), "the LM head ran elsewhere than asked"
+    return logits, fused_steps[0]

@@ -327,6 +327,15 @@ def unwrap_single_rank(model: nn.Module) -> int:
     return len(targets)
 
 
+def _load_vocab_rows(mod: nn.Module, loaded: torch.Tensor | QuantizedWeight) -> None:
+    """The embedding's (or untied head's) rows of this rank, as float; a quantized checkpoint's codes
+    of them are kept too (`ParallelLMHead.take_checkpoint_codes`: a tied head follows the embedding's)."""
+    rows = loaded.narrow(0, mod.start, mod.rows)
+    mod._checkpoint_quantized = isinstance(loaded, QuantizedWeight)
+    mod._checkpoint_codes = rows if isinstance(rows, QuantizedWeight) and mod.rows == mod.per_rank else None
+    mod.weight.data[: mod.rows].copy_(as_float(rows))
+
+
 class VocabParallelEmbedding(nn.Module):
     """Token embedding with the vocabulary split across ranks in equal (padded) ranges; a rank
     embeds the ids in its range, zeros the rest, and the all-reduce completes every row."""
@@ -348,8 +357,7 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(x.masked_fill_(outside[:, None], 0))
 
     def load_weight(self, param: str, loaded: torch.Tensor | QuantizedWeight, piece: int = 0) -> None:
-        self._checkpoint_quantized = isinstance(loaded, QuantizedWeight)  # (a tied head follows it)
-        self.weight.data[: self.rows].copy_(as_float(loaded.narrow(0, self.start, self.rows)))
+        _load_vocab_rows(self, loaded)
 
     def weight_keys(self) -> list[str]:
         return ["weight#0"]
@@ -386,7 +394,7 @@ class ParallelLMHead(nn.Module):
     def decode_kernel(self, rows: int, dtype: torch.dtype) -> tuple | None:
         """The head as `cpu_kernels.decode_step` runs it for `rows` rows of `dtype`, with the float32
         logits `forward` returns: (kind, a, b, out_features) of its packed projection where that
-        runs small_gemm widening its output (kind 0) or an int8 kernel (2, 3, float32 out); None
+        runs small_gemm widening its output (kind 0) or an int8 kernel (2, 3, 4: float32 out); None
         elsewhere (tensor parallel, an unpacked head, another kernel)."""
         packed = self.packed
         if (
@@ -399,7 +407,7 @@ class ParallelLMHead(nn.Module):
         spec = packed.decode_kernel(rows, dtype)
         from ..layers.prepack import PackedLinear  # kind 0 widens in PackedLinear's forward only
 
-        if spec is None or spec[0] not in (0, 2, 3) or (spec[0] == 0) != isinstance(packed, PackedLinear):
+        if spec is None or spec[0] not in (0, 2, 3, 4) or (spec[0] == 0) != isinstance(packed, PackedLinear):
             return None
         return spec
 
@@ -418,9 +426,16 @@ class ParallelLMHead(nn.Module):
         """Whether the checkpoint stores this head's weight (or the tied embedding) quantized."""
         return getattr(self._tied[0] if self._tied else self, "_checkpoint_quantized", False)
 
+    def take_checkpoint_codes(self) -> QuantizedWeight | None:
+        """The checkpoint's quantized codes of this head's rows (once; None where it had none, or its
+        rows are padded on this rank)."""
+        owner = self._tied[0] if self._tied else self
+        codes = getattr(owner, "_checkpoint_codes", None)
+        owner._checkpoint_codes = None
+        return codes
+
     def load_weight(self, param: str, loaded: torch.Tensor | QuantizedWeight, piece: int = 0) -> None:
-        self._checkpoint_quantized = isinstance(loaded, QuantizedWeight)
-        self.weight.data[: self.rows].copy_(as_float(loaded.narrow(0, self.start, self.rows)))
+        _load_vocab_rows(self, loaded)
 
     def weight_keys(self) -> list[str]:
         return [] if self._tied else ["weight#0"]

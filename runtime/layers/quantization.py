@@ -57,6 +57,12 @@ weight packed so that 16 outputs share a vector (no horizontal sum per output), 
 pass: faster than int8_gemv at 1-8 rows and than the bfloat16 copy past them. The bfloat16 copy is
 then dropped.
 
+`gguf` (a GGUF only): each tensor as the file stores it. The 4-bit types' codes go into
+`Int4Linear`; the 5- to 8-bit ones (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) into `GroupInt8Linear`: int8
+codes with a float32 scale and minimum per group of 16 or 32, exactly the file's weights, by
+`cpu_kernels.int8g_gemv` (as `int4_gemv`, with 8-bit codes); the head too, from the file's
+embedding or output codes.
+
 `fp8` (CUDA only, compute capability >= 9.0): float8 e4m3 weights with per-row scales and
 per-token activation scales through `torch._scaled_mm`; other GPUs fall back to int8 dequant.
 """
@@ -131,13 +137,18 @@ class _WeightOnlyLinear(nn.Module):
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         raise NotImplementedError
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weight lives."""
+        return self.qweight.device
+
     def _pack_bf16(self) -> nn.Module | None:
         """The dequantized weight in bfloat16, in `small_gemm`'s panels (or, where that kernel does
         not run, prepacked for oneDNN); None where neither is available. Many rows only: the
         panels are ~25% faster than oneDNN's GEMM at 16-32 rows, 8% slower at 512 (prefill)."""
         from .prepack import PackedLinear, prepack_available
 
-        if not prepack_available() or self.qweight.device.type != "cpu":
+        if not prepack_available() or self.device.type != "cpu":
             return None
         bias = None if self.bias is None else self.bias.to(torch.bfloat16)
         return PackedLinear(self.dequantized(torch.bfloat16), bias, small_rows=False, panels_only=True)
@@ -454,6 +465,102 @@ class Int4Linear(_WeightOnlyLinear):
         )
 
 
+class GroupInt8Linear(_WeightOnlyLinear):
+    """`y = x @ W.T + b` with `W[n, k] = q[n, k] * scale[n, g] + minimum[n, g]`: int8 codes with a
+    float32 scale (and minimum) per group of 16 or 32 along K, the form of GGUF's 5- to 8-bit types
+    (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K; see gguf_weights.py): float32 holds each of their scales (an
+    fp16 times a 6- or 8-bit sub-block scale) exactly, so the layer computes with the file's weights.
+
+    On a CPU with AVX512-VNNI or AVX2 (N a multiple of 16) `cpu_kernels.int8g_gemv` runs up to
+    `_INT4_GEMV_MAX_ROWS` rows (int16 activations, exact int32 sums, as `int4_gemv`), every row count
+    where `cpu_kernels.int4_gemv_all_rows()`; the codes are then held only in its layout. Other rows
+    take a bfloat16 copy of W (`small_gemm` panels, else oneDNN's), other devices W dequantized per
+    call. `widens`: as an LM head its logits may come back float32 (the kernel writes them so)."""
+
+    widens = True
+
+    def __init__(
+        self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, bias: torch.Tensor | None = None
+    ):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.group_size = self.in_features // scale.shape[1]
+        scale = scale.float().contiguous()
+        minimum = None if minimum is None else minimum.float().contiguous()
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        use_gemv = (
+            q.device.type == "cpu"
+            and self.out_features % 16 == 0
+            and self.group_size in (16, 32)
+            and cpu_kernels.int4_gemv_available()
+        )
+        packed = cpu_kernels.int8g_gemv_pack(q, scale, minimum) if use_gemv else None
+        self.register_buffer("packed_gemv", packed, persistent=False)
+        # the codes once: in the kernel's layout where it runs (`dequantized` reads them back from it)
+        self.register_buffer("qweight", None if use_gemv else q.to(torch.int8).contiguous())
+        self.register_buffer("scale", None if use_gemv else scale)
+        self.register_buffer("minimum", None if use_gemv else minimum)
+        self.gemv_bias = None if bias is None or not use_gemv else bias.detach().float().contiguous()
+        self.gemv_all_rows = use_gemv and cpu_kernels.int4_gemv_all_rows()
+        on_cpu = q.device.type == "cpu"
+        self.packed_bf16 = self._pack_bf16() if on_cpu and not self.gemv_all_rows else None
+
+    def _codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(codes int8 `[N, K]`, scale, minimum `[N, K/G]`) from whichever form the layer holds."""
+        if self.packed_gemv is None:
+            return self.qweight, self.scale, self.minimum
+        n, k, g = self.out_features, self.in_features, self.group_size
+        p = self.packed_gemv
+        codes = p[..., : 16 * g].reshape(n // 16, k // g, g // 2, 16, 2).permute(0, 3, 1, 2, 4).reshape(n, k)
+
+        def per_group(t: torch.Tensor) -> torch.Tensor:
+            return t.contiguous().view(torch.float32).transpose(1, 2).reshape(n, k // g)
+
+        return codes.view(torch.int8), per_group(p[..., 16 * g : 16 * g + 64]), per_group(p[..., 16 * g + 64 :])
+
+    @property
+    def device(self) -> torch.device:
+        return (self.packed_gemv if self.packed_gemv is not None else self.qweight).device
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the codes stand for, `[N, K]` (what `int8g_gemv` computes with)."""
+        q, scale, minimum = self._codes()
+        n, k, g = self.out_features, self.in_features, self.group_size
+        w = q.reshape(n, k // g, g).float() * scale[..., None]
+        if minimum is not None:
+            w = w + minimum[..., None]
+        return w.reshape(n, k).to(dtype)
+
+    def _gemv_takes(self, rows: int) -> bool:
+        """Whether `int8g_gemv` runs these rows (`forward` and `decode_kernel` agree through this)."""
+        return self.packed_gemv is not None and rows >= 1 and (rows <= _INT4_GEMV_MAX_ROWS or self.gemv_all_rows)
+
+    def decode_kernel(self, rows: int, dtype: torch.dtype) -> tuple | None:
+        """What `forward` runs for `rows` rows of `dtype`, as `cpu_kernels.decode_layers_` takes it
+        (kind 4 = int8g_gemv, packed codes, float32 bias or None, out_features); None where it is
+        none of its kernels."""
+        if self._gemv_takes(rows):
+            return 4, self.packed_gemv, self.gemv_bias, self.out_features
+        return self._copy_kernel(rows, dtype)
+
+    def forward(self, x: torch.Tensor, widen: bool = False) -> torch.Tensor:
+        x2 = _rows(x)
+        if self._gemv_takes(x2.shape[0]):
+            y = cpu_kernels.ops.int8g_gemv(x2, self.packed_gemv, self.gemv_bias, widen)
+            return y if widen and x.dim() == 2 else self._output(x, y)
+        if self.device.type == "cpu":
+            return self._output(x, self._bf16_rows(x2))
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return self._output(x, F.linear(x2, self.dequantized(x.dtype), bias))
+
+    def extra_repr(self) -> str:
+        kernel = "int8g_gemv" if self.packed_gemv is not None else "bf16 copy"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
+            f"kernel={kernel}"
+        )
+
+
 def fp8_supported(device: torch.device) -> bool:
     """Row-wise scaled float8 matmuls: CUDA with compute capability >= 9.0 (Hopper) and a torch
     that has `_scaled_mm` and float8_e4m3fn."""
@@ -514,9 +621,11 @@ def make_quantized_linear(
 class QuantizedWeight:
     """A checkpoint's 2-D weight kept quantized on its way into a layer (a GGUF tensor read as the
     file stores it): `kind` "int4", `W[n, k] = codes[n, k] * scale[n, g] + minimum[n, g]` over groups
-    of 32 along K (uint8 codes 0..15); or "int8", `W = codes * scale[:, None]` (int8 codes, one scale
-    a row). The parallel layers narrow it to their shard and `build_quantized_layers` turns it into
-    an `Int4Linear` / `Int8Linear`; anything else takes `dequantize()`."""
+    of 32 (or a multiple of 32) along K (uint8 codes 0..15); "int8g", the same with int8 codes over
+    groups of 16 or 32 and `minimum` possibly None (zeros); or "int8", `W = codes * scale[:, None]`
+    (int8 codes, one scale a row). The parallel layers narrow it to their shard and
+    `build_quantized_layers` turns it into an `Int4Linear` / `GroupInt8Linear` / `Int8Linear`;
+    anything else takes `dequantize()`."""
 
     kind: str
     codes: torch.Tensor
@@ -531,13 +640,34 @@ class QuantizedWeight:
     def shape(self) -> torch.Size:
         return self.codes.shape
 
+    @property
+    def group_size(self) -> int:
+        """Values per scale along K (K for "int8": one scale a row)."""
+        return self.codes.shape[1] if self.kind == "int8" else self.codes.shape[1] // self.scale.shape[1]
+
+    def as_int8g(self, group: int) -> QuantizedWeight:
+        """The same weight as "int8g" over groups of `group` (which must divide this one's): the
+        codes as int8, each scale (and minimum) repeated over its pieces; exact."""
+        n, k = self.codes.shape
+        if self.group_size % group or self.perm is not None:
+            raise ValueError(f"{self.kind} over groups of {self.group_size} is not int8g over groups of {group}")
+        if self.kind == "int8":
+            scale, minimum = self.scale[:, None].expand(n, k // group).contiguous(), None
+        else:
+            again = self.group_size // group
+            scale = self.scale.repeat_interleave(again, dim=1)
+            minimum = None if self.minimum is None else self.minimum.repeat_interleave(again, dim=1)
+        return dataclasses.replace(self, kind="int8g", codes=self.codes.to(torch.int8), scale=scale, minimum=minimum)
+
     def dequantize(self) -> torch.Tensor:
         """The float32 weight the codes stand for (its columns in their own order)."""
         if self.kind == "int8":
             return self.codes.float() * self.scale[:, None]
         n, k = self.codes.shape
-        groups = self.codes.reshape(n, self.scale.shape[1], -1).float()
-        w = (groups * self.scale[..., None] + self.minimum[..., None]).reshape(n, k)
+        w = self.codes.reshape(n, self.scale.shape[1], -1).float() * self.scale[..., None]
+        if self.minimum is not None:
+            w = w + self.minimum[..., None]
+        w = w.reshape(n, k)
         if self.perm is None:
             return w
         out = torch.empty_like(w)
@@ -557,7 +687,7 @@ class QuantizedWeight:
         g = self.codes.shape[1] // self.scale.shape[1]
         if self.perm is not None or start % g or length % g:
             return self.dequantize().narrow(1, start, length)
-        groups = lambda t: t.narrow(1, start // g, length // g)  # noqa: E731
+        groups = lambda t: None if t is None else t.narrow(1, start // g, length // g)  # noqa: E731
         return dataclasses.replace(self, codes=codes, scale=groups(self.scale), minimum=groups(self.minimum))
 
     def map(self, fn, perm: torch.Tensor | None = None) -> QuantizedWeight:
@@ -585,22 +715,27 @@ def as_float(t: torch.Tensor | QuantizedWeight) -> torch.Tensor:
 
 
 def _cat_quantized(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
-    """Pieces of one fused layer (q, k, v) stacked by rows; int4 pieces with int8 ones all go int8
-    (the finer of the two: a Q4_K_M file's attn_v is often Q6_K beside Q4_K q and k). None where
-    the pieces order their input columns differently (they cannot share one input)."""
+    """Pieces of one fused layer (q, k, v) stacked by rows; pieces of different kinds or groups all
+    go int8g over groups of 32 (16 where a piece has groups of 16), exactly: a Q4_K_M file's attn_v
+    is often Q6_K (groups of 16) beside Q4_K q and k. None where the pieces order their input
+    columns differently (they cannot share one input)."""
     perms = [p.perm for p in parts]
     if any(q is None for q in perms) != all(q is None for q in perms) or (
         perms[0] is not None and not all(torch.equal(perms[0], q) for q in perms)
     ):
         return None
-    if len({p.kind for p in parts}) > 1:
-        parts = [p if p.kind == "int8" else QuantizedWeight("int8", *quantize_int8(p.dequantize())) for p in parts]
+    if len({(p.kind, p.group_size) for p in parts}) > 1:
+        group = next((g for g in (32, 16) if all(p.group_size % g == 0 for p in parts)), None)
+        if group is None or perms[0] is not None:
+            parts = [p if p.kind == "int8" else QuantizedWeight("int8", *quantize_int8(p.dequantize())) for p in parts]
+        else:
+            parts = [p.as_int8g(group) for p in parts]
+    minimum = None
+    if any(p.minimum is not None for p in parts):  # (Q6_K has none, Q5_K has)
+        minimum = torch.cat([torch.zeros_like(p.scale) if p.minimum is None else p.minimum for p in parts])
     cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
     return dataclasses.replace(
-        parts[0],
-        codes=cat([p.codes for p in parts]),
-        scale=cat([p.scale for p in parts]),
-        minimum=cat([p.minimum for p in parts]),
+        parts[0], codes=cat([p.codes for p in parts]), scale=cat([p.scale for p in parts]), minimum=minimum
     )
 
 
@@ -622,6 +757,8 @@ def quantized_layer(w: QuantizedWeight, bias: torch.Tensor | None) -> nn.Module:
     """The layer that computes with `w`'s own codes."""
     if w.kind == "int4":
         layer = Int4Linear.from_codes(w.codes.contiguous(), w.scale, w.minimum, bias)
+    elif w.kind == "int8g":
+        layer = GroupInt8Linear(w.codes.contiguous(), w.scale, w.minimum, bias)
     else:
         layer = Int8Linear.from_codes(w.codes, w.scale, bias)
     return layer if w.perm is None else InputPermuted(layer, w.perm)
@@ -682,8 +819,9 @@ def quantize_model(model: nn.Module, method: str, kernel: str | None = None) -> 
     forward uses, as `parallel.ParallelLMHead`). Returns the number of layers quantized.
 
     With `int4` the LM head is int8: see the module docstring. With `gguf` the layers were built
-    from the file's codes (`build_quantized_layers`) and float ones stay float; the head is int8
-    where the file's is quantized (`checkpoint_quantized`), else it stays float."""
+    from the file's codes (`build_quantized_layers`) and float ones stay float; the head computes
+    with the file's codes where it has them (Q8_0, Q6_K, ...: `GroupInt8Linear`; the rarer types
+    int8), and stays float where the file's head is float."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
     device = next(model.parameters()).device
@@ -697,7 +835,14 @@ def quantize_model(model: nn.Module, method: str, kernel: str | None = None) -> 
         _replace_module(model, name, make_quantized_linear(mod.weight, mod.bias, method, kernel))
     head_method = "int8" if method in ("int4", "gguf") else method
     for head in heads:
-        head.packed = make_quantized_linear(head.local_weight(), None, head_method, kernel)
+        codes = head.take_checkpoint_codes() if hasattr(head, "take_checkpoint_codes") else None
+        codes = codes if method == "gguf" else None
+        if codes is not None and codes.kind == "int4":  # (a 4-bit head is rare: as int8g, exactly)
+            codes = codes.as_int8g(16 if codes.group_size % 32 else 32)
+        if codes is not None:  # the file's own codes
+            head.packed = quantized_layer(codes.map(lambda t: t.to(device)), None)
+        else:
+            head.packed = make_quantized_linear(head.local_weight(), None, head_method, kernel)
     for mod in model.modules():  # layers and LM head: int16 activations, exact-er than bf16 ones,
         if isinstance(mod, Int8Linear):  # and faster at batch 1 (the head and the whole step)
             mod.use_vnni_gemv()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import require_kernels
+from conftest import decode_logits, require_kernels, skip_without_fused_op
 
 from plait.runtime.kernels.cpu import cpu_kernels
 
@@ -386,6 +386,62 @@ def test_int4_gemv_rejects_what_it_does_not_take():
         cpu_kernels.int4_gemv_pack(q[:8], scale[:8], minimum[:8])
 
 
+def _int8g_weight(n: int, k: int, group: int, g: torch.Generator, minimum: bool = True):
+    """Random int8 codes with float32 scales (and minimums) per group, as GGUF's K-quants give them
+    (an fp16 times a 6-bit scale), and the weight they stand for."""
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    d = (torch.rand(n, k // group, generator=g) / 1000).half().float()
+    scale = d * torch.randint(1, 64, d.shape, generator=g)
+    low = -(d * torch.randint(0, 64, d.shape, generator=g)) if minimum else None
+    w = q.double().reshape(n, k // group, group) * scale.double()[..., None]
+    if minimum:
+        w = w + low.double()[..., None]
+    return q, scale, low, w.reshape(n, k)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 37])  # past 8: blocks of 8 rows, then the rest
+@pytest.mark.parametrize("x_dtype", DTYPES)
+@pytest.mark.parametrize("k,group", [(32, 32), (576, 32), (576, 16), (1536, 16)])
+def test_int8g_gemv_matches_linear(rows, x_dtype, k, group):
+    if not cpu_kernels.int4_gemv_available():
+        pytest.skip("no AVX512-VNNI or AVX2")
+    g = torch.Generator().manual_seed(rows * k + group)
+    for has_min in (True, False):
+        q, scale, low, w = _int8g_weight(96, k, group, g, has_min)
+        packed = cpu_kernels.int8g_gemv_pack(q, scale, low)
+        assert packed.shape == (6, k // group, 16 * group + 128) and packed.dtype == torch.uint8
+        x = (torch.randn(rows, k, generator=g) * torch.rand(k, generator=g) * 10).to(x_dtype)  # uneven channels
+        bias = torch.randn(96, generator=g)
+        for b in (None, bias):
+            ref = F.linear(x.double(), w, None if b is None else b.double())
+            for widen in (False, True):
+                got = cpu_kernels.ops.int8g_gemv(x, packed, b, widen)
+                assert got.shape == (rows, 96) and got.dtype == (torch.float32 if widen else x_dtype)
+                err = (got.double() - ref).abs().max() / ref.abs().max()
+                # int16 activations: ~1e-5; then (not widened) one bfloat16 rounding of the output
+                assert err < (1e-4 if got.dtype == torch.float32 else 2**-8), err
+            if rows > 8:  # a row's result does not depend on the rows beside it
+                got = cpu_kernels.ops.int8g_gemv(x, packed, b)
+                assert torch.equal(got[8:9], cpu_kernels.ops.int8g_gemv(x[8:9], packed, b))
+
+
+def test_int8g_gemv_rejects_what_it_does_not_take():
+    q, scale, low, _ = _int8g_weight(16, 64, 32, torch.Generator().manual_seed(0))
+    packed = cpu_kernels.int8g_gemv_pack(q, scale, low)
+    with pytest.raises(RuntimeError, match=r"\[M >= 1, K\]"):
+        cpu_kernels.ops.int8g_gemv(torch.randn(0, 64), packed, None)
+    with pytest.raises(RuntimeError, match=r"\[M >= 1, K\]"):
+        cpu_kernels.ops.int8g_gemv(torch.randn(1, 96), packed, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        cpu_kernels.ops.int8g_gemv(torch.randn(1, 64), packed, torch.randn(15))
+    with pytest.raises(RuntimeError, match="packed"):
+        cpu_kernels.ops.int8g_gemv(torch.randn(1, 64), packed[..., :-1].contiguous(), None)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu_kernels.int8g_gemv_pack(q[:8], scale[:8], low[:8])
+    with pytest.raises(ValueError, match="16 or 32"):
+        cpu_kernels.int8g_gemv_pack(q, scale[:, :1], low[:, :1])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,inter", [(1, 1536), (5, 40)])  # 40: a tail after the 16-wide loop
 def test_silu_mul_matches_eager(dtype, rows, inter):
@@ -401,81 +457,6 @@ def test_silu_mul_matches_eager(dtype, rows, inter):
     else:  # silu rounded to bfloat16 before the product, as eager does; exp's last bits may flip one
         close = (got.float() - ref.float()).abs() <= 2**-7 * ref.float().abs() + 1e-6
         assert close.all() and (got == ref).float().mean() > 0.99
-
-
-def skip_without_fused_op(dtype: str, quantization: str | None = None) -> None:
-    """Skip where this path has no kernel for the decoder's projections in `dtype` / `quantization`
-    (a scalar build, or AVX-512 without BF16 for bfloat16 / without VNNI for int8 and int4): there
-    the model runs its layer loop, which the other tests cover."""
-    if quantization == "int4":
-        has = cpu_kernels.int4_gemv_available()
-    elif quantization == "int8":
-        has = cpu_kernels.int8_gemv_available() or cpu_kernels.int8_rows_available()
-    else:
-        has = cpu_kernels.small_gemm_available(getattr(torch, dtype))
-    if not has:
-        pytest.skip(f"no fused decode op on this path for {dtype} {quantization or ''} projections")
-
-
-def _decode_logits(
-    path: str,
-    fused: bool,
-    rows: int,
-    prompt: int = 9,
-    new: int = 9,
-    head_in_op: bool = True,
-    keep: dict | None = None,
-    **args,
-) -> tuple[list[torch.Tensor], int]:
-    """Every step's logits of `rows` greedy requests (request i: a `prompt + 5 i`-token prompt,
-    `new` tokens), with `decode_layers_` (`fused`) or the layer loop; and how many steps took the
-    fused op. With 2 or more rows the first request ends early: the rest keep their mirror rows,
-    which from 3 rows on leaves them in another order than the batch's (request 2 moves into the
-    gap). `head_in_op=False`: the LM head runs in Python after `decode_layers_`, not in `decode_step`.
-    `keep`: gets the scheduler ("sched")."""
-    from plait.runtime.request import GenerateInput
-    from plait.runtime.sampling_params import SamplingParams
-    from plait.runtime.scheduler.scheduler import Scheduler
-    from plait.runtime.server_args import ServerArgs
-
-    s = Scheduler(ServerArgs(model=path, max_total_tokens=4096, max_running_requests=rows, **args))
-    if keep is not None:
-        keep["sched"] = s
-    model, logits, fused_steps, whole_steps, head_kernel = s.runner.model, [], [0], [0], [0]
-    if not fused:
-        model._decode_plan = lambda *a: None
-    if not head_in_op:
-        model.lm_head.decode_kernel = lambda *a: None
-    begin, forward = model._begin_fused_decode, model.forward
-
-    def count(batch, *a):  # steps fused: their layers in one op, and from token ids to logits in one op
-        out = begin(batch, *a)
-        fused_steps[0] += out is not None
-        whole_steps[0] += out is not None and out[2]
-        # (the head has one of the op's kernels at these rows: not an int8 head's bfloat16 copy, 9+
-        # rows where the CPU has bfloat16 dot products, whose logits are rounded to bfloat16 first)
-        rows = batch.input_ids.shape[0]
-        head_kernel[0] += (
-            out is not None and model.lm_head.decode_kernel(rows, model.embed_tokens.weight.dtype) is not None
-        )
-        return out
-
-    model._begin_fused_decode = count
-    model.forward = lambda *a: logits.append(forward(*a)) or logits[-1]
-    for i in range(rows):
-        ids = [(37 * i + 11 * j) % 40000 + 100 for j in range(prompt + 5 * i)]
-        s.add_request(
-            GenerateInput(
-                rid=str(i),
-                input_ids=ids,
-                seed=i,
-                params=SamplingParams(max_new_tokens=4 if i == 0 and rows > 1 else new, temperature=0, ignore_eos=True),
-            )
-        )
-    while s.has_work():
-        s.step()
-    assert whole_steps[0] == (head_kernel[0] if head_in_op else 0), "the LM head ran elsewhere than asked"
-    return logits, fused_steps[0]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
@@ -498,8 +479,8 @@ def test_decode_layers_equals_the_layer_loop(tiny_model_dirs, arch, dtype, quant
     decode step and the one after a request left, which copy rows into the mirror)."""
     skip_without_fused_op(dtype, quantization)
     args = dict(dtype=dtype, quantization=quantization)
-    got, fused_steps = _decode_logits(tiny_model_dirs[arch], True, rows, **args)
-    ref, none = _decode_logits(tiny_model_dirs[arch], False, rows, **args)
+    got, fused_steps = decode_logits(tiny_model_dirs[arch], True, rows, **args)
+    ref, none = decode_logits(tiny_model_dirs[arch], False, rows, **args)
     assert none == 0 and fused_steps == len(got) - (2 if rows == 1 else 3), f"{fused_steps} of {len(got)} steps fused"
     assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
 
@@ -516,18 +497,18 @@ def test_a_bfloat16_kv_cache_under_a_float32_model(tiny_model_dirs, rows):
 
     path, keep = tiny_model_dirs["llama"], {}
     args = dict(dtype="float32", kv_cache_dtype="bfloat16")
-    got, fused_steps = _decode_logits(path, True, rows, keep=keep, **args)
+    got, fused_steps = decode_logits(path, True, rows, keep=keep, **args)
     runner = keep["sched"].runner
     assert runner.kv_dtype == runner.pool.k[0].dtype == runner.backend.mirror.dtype == torch.bfloat16
     assert runner.dtype == torch.float32 and all(x.dtype == torch.float32 for x in got)
-    ref, _ = _decode_logits(path, False, rows, **args)
+    ref, _ = decode_logits(path, False, rows, **args)
     assert fused_steps == len(got) - (2 if rows == 1 else 3)
     assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
-    f32, _ = _decode_logits(path, True, rows, dtype="float32")
+    f32, _ = decode_logits(path, True, rows, dtype="float32")
     first = [(a - b).abs().max().item() / b.abs().max().item() for a, b in zip(got[:2], f32[:2])]
     assert all(0 < d < 2e-2 for d in first), first  # rounded (not equal), and by little
     # float16: no fused kernels for it on the CPU, the eager ops over it; closer than bfloat16
-    half, half_fused = _decode_logits(path, True, rows, dtype="float32", kv_cache_dtype="float16")
+    half, half_fused = decode_logits(path, True, rows, dtype="float32", kv_cache_dtype="float16")
     closer = [(a - b).abs().max().item() / b.abs().max().item() for a, b in zip(half[:2], f32[:2])]
     assert half_fused == 0 and all(0 < c < d for c, d in zip(closer, first)), (closer, first)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
@@ -548,27 +529,27 @@ def test_an_fp8_kv_cache_under_a_bfloat16_model(tiny_model_dirs, kv, rows):
 
     path, keep = tiny_model_dirs["llama"], {}
     fp8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv]
-    got, fused_steps = _decode_logits(path, True, rows, keep=keep, dtype="bfloat16", kv_cache_dtype=kv)
+    got, fused_steps = decode_logits(path, True, rows, keep=keep, dtype="bfloat16", kv_cache_dtype=kv)
     runner = keep["sched"].runner
     assert runner.kv_dtype == runner.pool.k[0].dtype == runner.backend.mirror.dtype == fp8
     assert runner.pool.k[0].element_size() == 1
-    ref, _ = _decode_logits(path, False, rows, dtype="bfloat16", kv_cache_dtype=kv)
+    ref, _ = decode_logits(path, False, rows, dtype="bfloat16", kv_cache_dtype=kv)
     assert fused_steps == len(got) - (2 if rows == 1 else 3)
     assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
-    bf16, _ = _decode_logits(path, True, rows, dtype="bfloat16")
+    bf16, _ = decode_logits(path, True, rows, dtype="bfloat16")
     # the prefill's logits (attention over the pool's rounded K/V): later steps may follow other
     # greedy tokens
     moved = (got[0] - bf16[0]).abs().max().item() / bf16[0].abs().max().item()
     assert 0 < moved < 0.25, moved  # rounded (not equal), and by little
     assert all(bool(x.isfinite().all()) for x in got)
     if kv == "fp8_e5m2":
-        finer, _ = _decode_logits(path, True, rows, dtype="bfloat16", kv_cache_dtype="fp8_e4m3")
+        finer, _ = decode_logits(path, True, rows, dtype="bfloat16", kv_cache_dtype="fp8_e4m3")
         closer = (finer[0] - bf16[0]).abs().max().item() / bf16[0].abs().max().item()
         assert closer < moved, (closer, moved)
     assert keep["sched"].kv_slots_in_use() == 0
     assert build_parser().parse_args(["serve", "--kv-cache-dtype", kv]).kv_cache_dtype == kv
     if rows == 3:  # the eager ops (no kernels): the pool's and mirror's writes as bytes, SDPA widening
-        plain, none = eager(lambda: _decode_logits(path, True, rows, dtype="bfloat16", kv_cache_dtype=kv))
+        plain, none = eager(lambda: decode_logits(path, True, rows, dtype="bfloat16", kv_cache_dtype=kv))
         assert none == 0 and len(plain) == len(got)
         assert (plain[0] - got[0]).abs().max().item() / got[0].abs().max().item() < 0.02
 
@@ -614,8 +595,8 @@ def test_decode_layers_with_the_head_outside_the_op(tiny_model_dirs, dtype, quan
     layers still run in one op and the head after it in Python: the same logits."""
     skip_without_fused_op(dtype, quantization)
     args = dict(dtype=dtype, quantization=quantization)
-    got, fused_steps = _decode_logits(tiny_model_dirs["llama"], True, 2, head_in_op=False, **args)
-    ref, _ = _decode_logits(tiny_model_dirs["llama"], False, 2, **args)
+    got, fused_steps = decode_logits(tiny_model_dirs["llama"], True, 2, head_in_op=False, **args)
+    ref, _ = decode_logits(tiny_model_dirs["llama"], False, 2, **args)
     assert fused_steps == len(got) - 3 and len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
 
 
@@ -633,31 +614,33 @@ def test_decode_layers_follow_the_mirror_when_it_grows(tiny_model_dirs, monkeypa
         DecodeMirror, "_resize", lambda self, rows, length: grown.append(length) or resize(self, rows, length)
     )
     keep = {}
-    got, fused_steps = _decode_logits(
+    got, fused_steps = decode_logits(
         tiny_model_dirs["llama"], True, rows, prompt=248, new=16, keep=keep, dtype="float32"
     )
     assert len(grown) == 2 and grown[0] < grown[1], grown  # the first fill, then one growth mid-run
     mirror = keep["sched"].runner.backend.mirror  # no plan holds the replaced blocks (their memory)
     assert [h[0] for h in keep["sched"].runner.model._decode_handles.values()] == [(mirror, mirror.generation)]
     assert fused_steps == len(got) - (2 if rows == 1 else 3)  # not the prefill, the first decode step, a refill
-    ref, _ = _decode_logits(tiny_model_dirs["llama"], False, rows, prompt=248, new=16, dtype="float32")
+    ref, _ = decode_logits(tiny_model_dirs["llama"], False, rows, prompt=248, new=16, dtype="float32")
     assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("dtype,quantization,rows", [("bfloat16", "int4", 2), ("bfloat16", None, 3)])
+@pytest.mark.parametrize(
+    "dtype,quantization,rows", [("bfloat16", "int4", 2), ("bfloat16", None, 3), ("bfloat16", "gguf", 2)]
+)  # gguf: the file's Q8_0 head by int8g_gemv
 def test_decode_layers_equal_the_layer_loop_on_smollm2(smollm2_path, dtype, quantization, rows):
     """The same on the real model's shapes (head_dim 64, 9 query / 3 KV heads, int4 groups of 32)."""
     skip_without_fused_op(dtype, quantization)
     args = dict(dtype=dtype, quantization=quantization)
-    got, fused_steps = _decode_logits(smollm2_path, True, rows, **args)
-    ref, _ = _decode_logits(smollm2_path, False, rows, **args)
+    got, fused_steps = decode_logits(smollm2_path, True, rows, **args)
+    ref, _ = decode_logits(smollm2_path, False, rows, **args)
     assert fused_steps >= 4 and len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
 
 
 def test_decode_layers_leave_out_what_they_do_not_run(tiny_model_dirs):
     """qk-norm layers (Qwen3) are not among the op's: every step runs the layer loop."""
-    _, fused_steps = _decode_logits(tiny_model_dirs["qwen3"], True, 2, dtype="float32")
+    _, fused_steps = decode_logits(tiny_model_dirs["qwen3"], True, 2, dtype="float32")
     assert fused_steps == 0
 
 

@@ -1,9 +1,10 @@
 """GGUF tensors read as the file stores them (model_executor/gguf_weights.py): the 4-bit types'
-codes go into Int4Linear unchanged, other quantized types into int8 layers, float ones stay
+codes go into Int4Linear unchanged, the 5- to 8-bit types' into GroupInt8Linear, float ones stay
 float, and the model computes what the dequantized file computes.
 
 A tiny llama GGUF is written here with gguf-py, one ggml type per projection (Q4_0, Q4_1, Q4_K,
-Q6_K, Q8_0, F16, F32), from random blocks; the reference is the same file dequantized by gguf-py."""
+Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, F16, F32), from random blocks; the reference is the same file
+dequantized by gguf-py."""
 
 from __future__ import annotations
 
@@ -12,25 +13,37 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import quantizable_llama_config
+from conftest import decode_logits, quantizable_llama_config, skip_without_fused_op
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter
 from gguf.quants import dequantize, quantize
 from test_model import Harness
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from plait.runtime.layers.quantization import Int4Linear, Int8Linear
+from plait.runtime.layers.quantization import GroupInt8Linear, Int4Linear
 from plait.runtime.model_executor import model_loader
-from plait.runtime.model_executor.gguf_weights import decode_int4, read_tensors
+from plait.runtime.model_executor.gguf_weights import decode_int4, decode_int8g, read_tensors
 from plait.runtime.model_executor.model_loader import load_tokenizer, load_weights
 
 HIDDEN, INTER = 256, 512  # quantizable_llama_config's
-_BLOCK = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q4_K: (256, 144), T.Q6_K: (256, 210)}  # values, bytes
-LAYER_TYPES = [  # layer 0 mixes the quantized types (q, k, v in one fused layer), layer 1 is float
+_BLOCK = {  # values, bytes
+    T.Q4_0: (32, 18),
+    T.Q4_1: (32, 20),
+    T.Q4_K: (256, 144),
+    T.Q5_0: (32, 22),
+    T.Q5_1: (32, 24),
+    T.Q5_K: (256, 176),
+    T.Q6_K: (256, 210),
+    T.Q8_0: (32, 34),
+}
+LAYER_TYPES = [  # layer 0 mixes 4- and 6-bit types in one fused layer (q, k, v), layer 1 is float
     {"attn_q": T.Q4_K, "attn_k": T.Q4_0, "attn_v": T.Q6_K, "attn_output": T.Q4_1},
     {"attn_q": T.F16, "attn_k": T.F16, "attn_v": T.F32, "attn_output": T.F16},
 ]
-MLP_TYPES = {"ffn_gate": T.Q4_K, "ffn_up": T.Q4_0, "ffn_down": T.Q8_0}
+MLP_TYPES = [
+    {"ffn_gate": T.Q4_K, "ffn_up": T.Q4_0, "ffn_down": T.Q8_0},
+    {"ffn_gate": T.Q5_K, "ffn_up": T.Q5_1, "ffn_down": T.Q5_0},
+]
 
 
 def f16(x) -> np.ndarray:
@@ -42,13 +55,23 @@ def random_tensor(rng, kind: T, rows: int, cols: int, model: bool = True) -> np.
     of a few hundredths around 0 (a model whose logits mean something), else random scale bytes."""
     if kind in (T.F32, T.F16):
         return rng.normal(0, 0.05, (rows, cols)).astype(np.float32 if kind == T.F32 else np.float16)
-    if kind == T.Q8_0:
+    if kind == T.Q8_0 and model:
         return quantize(rng.normal(0, 0.05, (rows, cols)).astype(np.float32), kind)
     per, size = _BLOCK[kind]
     raw = rng.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
     d = rng.uniform(0.004, 0.01, (rows, cols // per, 1)).astype(np.float16)
-    if kind == T.Q4_0:
-        raw[..., 0:2] = f16(d)
+    if kind in (T.Q4_0, T.Q5_0):
+        raw[..., 0:2] = f16(d if kind == T.Q4_0 else d / 2)
+    elif kind == T.Q8_0:
+        raw[..., 0:2] = f16(d / 16)
+    elif kind == T.Q5_1:  # minimum -16 d: centred
+        raw[..., 0:4] = np.concatenate([f16(d / 2), f16(-8 * d)], axis=-1)
+    elif kind == T.Q5_K and model:  # as Q4_K's, codes to 31: dmin 15.5 d
+        d = d / 64
+        raw[..., 0:4] = np.concatenate([f16(d), f16(15.5 * d)], axis=-1)
+        raw[..., 4:16] = [160] * 8 + [0] * 4
+    elif kind == T.Q5_K:
+        raw[..., 0:4] = np.concatenate([f16(d), f16(d)], axis=-1)
     elif kind == T.Q4_1:  # minimum -8 d: centred
         raw[..., 0:4] = np.concatenate([f16(d), f16(-8 * d)], axis=-1)
     elif kind == T.Q4_K and model:  # every sub-block scale and minimum 32 (bytes 160 x 8, 0 x 4),
@@ -77,9 +100,9 @@ def tiny_gguf(tmp_path_factory, smollm2_path) -> str:
         shapes = {"attn_q": HIDDEN, "attn_k": kv, "attn_v": kv, "attn_output": HIDDEN}
         for name, kind in types.items():
             tensors[f"blk.{i}.{name}.weight"] = (kind, shapes[name], HIDDEN)
-        tensors[f"blk.{i}.ffn_gate.weight"] = (MLP_TYPES["ffn_gate"], INTER, HIDDEN)
-        tensors[f"blk.{i}.ffn_up.weight"] = (MLP_TYPES["ffn_up"], INTER, HIDDEN)
-        tensors[f"blk.{i}.ffn_down.weight"] = (MLP_TYPES["ffn_down"], HIDDEN, INTER)
+        tensors[f"blk.{i}.ffn_gate.weight"] = (MLP_TYPES[i]["ffn_gate"], INTER, HIDDEN)
+        tensors[f"blk.{i}.ffn_up.weight"] = (MLP_TYPES[i]["ffn_up"], INTER, HIDDEN)
+        tensors[f"blk.{i}.ffn_down.weight"] = (MLP_TYPES[i]["ffn_down"], HIDDEN, INTER)
         tensors[f"blk.{i}.attn_norm.weight"] = (T.F32, 1, HIDDEN)
         tensors[f"blk.{i}.ffn_norm.weight"] = (T.F32, 1, HIDDEN)
     for name, (kind, rows, cols) in tensors.items():
@@ -114,6 +137,20 @@ def test_4bit_blocks_decode_to_what_gguf_py_dequantizes(kind):
     assert np.array_equal(w, dequantize(raw, T[kind]))
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K"])
+def test_5_to_8bit_blocks_decode_to_what_gguf_py_dequantizes(kind):
+    raw = random_tensor(np.random.default_rng(2), T[kind], 16, 512, model=False)
+    codes, scale, minimum = decode_int8g(raw, kind)
+    group = 16 if kind == "Q6_K" else 32
+    assert codes.dtype == np.int8 and codes.shape == (16, 512) and scale.shape == (16, 512 // group)
+    assert (minimum is None) == (kind in ("Q8_0", "Q5_0", "Q6_K"))
+    w = codes.reshape(16, -1, group) * scale[..., None]
+    if minimum is not None:
+        w = w + minimum[..., None]
+    # float32 in both, in the same order: the same numbers
+    assert np.array_equal(w.reshape(16, 512), dequantize(raw, T[kind]))
+
+
 def _layer(runner, i: int, name: str):
     block = runner.model.layers[i]
     return getattr(block.self_attn if name in ("qkv_proj", "o_proj") else block.mlp, name)
@@ -136,17 +173,24 @@ def test_gguf_layers_compute_with_the_files_codes(tiny_gguf, reference):
     sm = gate_up.scale_min.float().abs()  # [N, K/32, 2]: a float16 rounding of each is <= 2^-11 of it
     bound = ((15 * sm[..., 0] + sm[..., 1]) * 2**-11).repeat_interleave(32, dim=1)
     assert ((gate_up.dequantized() - want).abs() <= bound * 1.001).all()
-    # Q8_0: int8 rows; q (Q4_K), k (Q4_0) and v (Q6_K) fused: int8, the finer of the two
+    # the 5- to 8-bit types: int8 codes with float32 group scales, exactly the file's weights; q
+    # (Q4_K), k (Q4_0) and v (Q6_K) fused: all int8g over Q6_K's groups of 16, exactly too
     qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-    for name, hf in (("down_proj", ("mlp.down_proj",)), ("qkv_proj", qkv)):
-        layer = _layer(runner, 0, name)
-        assert isinstance(layer, Int8Linear), name
-        want = _ref(reference, 0, *hf)
-        step = want.abs().amax(dim=1, keepdim=True) / 127  # re-rounded to a step of each row
-        assert ((layer.dequantized() - want).abs() <= step * 0.5001).all(), name
-    # float tensors stay float; the Q8_0 embedding makes the tied head int8
+    mlp = ("mlp.gate_proj", "mlp.up_proj")
+    for i, name, hf, group in (
+        (0, "qkv_proj", qkv, 16),  # Q4_K + Q4_0 + Q6_K
+        (0, "down_proj", ("mlp.down_proj",), 32),  # Q8_0
+        (1, "gate_up_proj", mlp, 32),  # Q5_K + Q5_1
+        (1, "down_proj", ("mlp.down_proj",), 32),  # Q5_0
+    ):
+        layer = _layer(runner, i, name)
+        assert isinstance(layer, GroupInt8Linear) and layer.group_size == group, (i, name)
+        assert torch.equal(layer.dequantized(), _ref(reference, i, *hf)), (i, name)
+    # float tensors stay float; the Q8_0 embedding makes the tied head the file's Q8_0 codes
     assert type(_layer(runner, 1, "qkv_proj")) is torch.nn.Linear
-    assert isinstance(runner.model.lm_head.packed, Int8Linear)
+    head = runner.model.lm_head.packed
+    assert isinstance(head, GroupInt8Linear)
+    assert torch.equal(head.dequantized(), reference["model.embed_tokens.weight"])
 
 
 def test_gguf_model_computes_what_the_dequantized_file_computes(tiny_gguf, reference):
@@ -157,9 +201,21 @@ def test_gguf_model_computes_what_the_dequantized_file_computes(tiny_gguf, refer
         want = hf(torch.tensor([ids])).logits[0]
     h = Harness(tiny_gguf, quantization="gguf")
     got = h.step([(h.new_row(), ids)])[0]
-    # int16 activations, the int8 layers' and head's rows, Q4_K's float16 scales
+    # int16 activations, Q4_K's float16 scales in Int4Linear, bfloat16 copies past 8 rows (where
+    # the CPU has bfloat16 dot products)
     err = (got - want).abs().max() / (want.max() - want.min())
     assert err < 0.03, err
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gguf_decode_steps_take_the_fused_op(tiny_gguf, rows):
+    """A steady decode step runs the file's int4 and int8g layers and its Q8_0 head in one op
+    (`decode_step`), with the very logits of the layer loop."""
+    skip_without_fused_op("bfloat16", "gguf")
+    got, fused_steps = decode_logits(tiny_gguf, True, rows, dtype="bfloat16", quantization="gguf")
+    ref, _ = decode_logits(tiny_gguf, False, rows, dtype="bfloat16", quantization="gguf")
+    assert fused_steps == len(got) - (2 if rows == 1 else 3), f"{fused_steps} of {len(got)} steps fused"
+    assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
 
 
 def test_int4_reads_the_4bit_codes_and_quantizes_the_rest(tiny_gguf, reference):
@@ -186,8 +242,8 @@ def test_gguf_quantization_needs_a_gguf(tiny_model_dirs):
 @pytest.mark.integration
 def test_default_model_as_its_file(smollm2_path):
     """SmolLM2's Q4_1 projections are the file's codes (its float32 weights exactly), its Q8_0
-    embedding makes an int8 head, and its logits are the float32 model's but for the kernels'
-    int16 activations and the head's int8 rows."""
+    embedding's codes are the head's, and its logits are the float32 model's but for the kernels'
+    int16 activations."""
     folder = model_loader.resolve_model("smollm2", float_weights=False)
     h = Harness(folder, quantization="gguf")
     runner = h.runner
@@ -197,7 +253,8 @@ def test_default_model_as_its_file(smollm2_path):
         assert isinstance(layer, Int4Linear)
         want = torch.cat([floats[f"model.layers.{i}.mlp.{p}_proj.weight"] for p in ("gate", "up")])
         assert torch.equal(layer.dequantized(), want)
-    assert isinstance(runner.model.lm_head.packed, Int8Linear)
+    head = runner.model.lm_head.packed
+    assert isinstance(head, GroupInt8Linear) and torch.equal(head.dequantized(), floats["model.embed_tokens.weight"])
     ids = load_tokenizer(folder)("The capital of France is Paris, and the capital of Italy is").input_ids
     got = h.step([(h.new_row(), ids)])[0]
     del h, runner

@@ -14,6 +14,7 @@ from torch import nn
 
 from plait.runtime.layers.quantization import (
     Fp8Linear,
+    GroupInt8Linear,
     Int4Linear,
     Int8Linear,
     quantize_int4,
@@ -395,3 +396,30 @@ def test_smollm2_int4_closer_to_float32_than_int8(smollm2_path):
         prompt_kl[method], decode_kl[method] = kl(ref[0], prompt), kl(ref[1], decode)
     assert prompt_kl["int4"] < 0.004 and prompt_kl["int4"] < 0.6 * prompt_kl["int8"], prompt_kl
     assert decode_kl["int4"] < 0.003 and decode_kl["int4"] < 0.6 * decode_kl["int8"], decode_kl
+
+
+@pytest.mark.parametrize("group", [16, 32])
+def test_group_int8_linear_with_and_without_its_kernel(monkeypatch, group):
+    """GroupInt8Linear is its codes' weight whichever form holds them (the kernel's layout, or the
+    codes where no kernel runs), and computes it with or without `int8g_gemv`."""
+    from plait.runtime.kernels.cpu import cpu_kernels
+
+    g = torch.Generator().manual_seed(group)
+    q = torch.randint(-32, 32, (48, 128), dtype=torch.int8, generator=g)
+    scale = torch.rand(48, 128 // group, generator=g) / 100
+    low = -torch.rand(48, 128 // group, generator=g) / 10
+    bias = torch.randn(48, generator=g)
+    want = (q.float().reshape(48, -1, group) * scale[..., None] + low[..., None]).reshape(48, 128)
+    x = torch.randn(3, 128, generator=g)
+    ref = F.linear(x.double(), want.double(), bias.double())
+    cpu_kernels.load()
+    for kernels in (True, False):
+        monkeypatch.setitem(cpu_kernels._state, "ok", kernels and cpu_kernels._state["ok"])
+        layer = GroupInt8Linear(q, scale, low, bias)
+        assert torch.equal(layer.dequantized(), want)
+        assert (layer.packed_gemv is not None) == cpu_kernels.int4_gemv_available()
+        y = layer(x)
+        assert y.shape == (3, 48) and y.dtype == torch.float32
+        # int16 activations (~1e-5), else the bfloat16 copy's activations and weights
+        assert ((y.double() - ref).abs().max() / ref.abs().max()) < 2**-7
+    assert layer.packed_gemv is None and layer.qweight.dtype == torch.int8

@@ -4,8 +4,9 @@ output in the model's dtype: no copies around it) and the MLP's silu(gate) * up,
 of 3-10 aten ops; `small_gemm`, the float32 / bfloat16 projections at decode's batch sizes
 (weights in panels of 32 output columns, 12 rows of x against a panel at a time, bfloat16 by AVX512-BF16
 dot products; `prepack.py`);
-`int8_gemv`, AVX512-VNNI int8 layers and LM head, and `int4_gemv`, int4 (GGUF Q4_1) layers at decode's few
-rows on int16 activations, also by VNNI (`quantization.py`); where the CPU has no bfloat16 dot products,
+`int8_gemv`, AVX512-VNNI int8 layers and LM head, `int4_gemv`, int4 (GGUF Q4_1) layers at decode's few
+rows on int16 activations, also by VNNI, and `int8g_gemv`, int8 codes with a scale and minimum per group
+of 16 or 32 (GGUF's 5- to 8-bit types as the file has them) the same way (`quantization.py`); where the CPU has no bfloat16 dot products,
 `int4_gemv` takes every row count, and `int8_rows` (AVX2) int8's (for them: no bfloat16 copy). On a CPU with AVX2 but no AVX-512 (AMD before
 Zen 4, Intel client cores) each of these has an 8-wide AVX2 path (small_gemm: half panels of 16 columns,
 6 rows of x a pass, bfloat16 weights widened by shifts; the integer GEMVs by vpmaddwd), so the
@@ -462,6 +463,31 @@ def int4_gemv_pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) 
         return t.to(torch.float16).reshape(n // 16, 16, g).transpose(1, 2).contiguous().view(torch.uint8)
 
     return torch.cat([codes, per_group(scale), per_group(minimum)], dim=-1).contiguous()
+
+
+def int8g_gemv_pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None) -> torch.Tensor:
+    """The weight `W[n, k] = scale[n, g] * q[n, k] + minimum[n, g]` (int8 codes `q` `[N, K]`, groups g
+    of G = 16 or 32 along K, G = K / scale columns, N a multiple of 16; no minimum: zeros) in
+    `int8g_gemv`'s layout: uint8 `[N/16, K/G, 16 G + 128]`, per block of 16 rows and group the codes
+    (chunks of 32 bytes, row i's codes for k = 2p, 2p + 1 at bytes 2i, 2i + 1 of chunk p), then the 16
+    scales and 16 minimums as float32."""
+    n, k = q.shape
+    groups = scale.shape[1]
+    g = k // groups if groups else 0
+    if n % 16 or g not in (16, 32) or g * groups != k:
+        raise ValueError(f"int8g_gemv_pack: N ({n}) must be a multiple of 16 and K ({k}) of 16 or 32 scales")
+    codes = (
+        q.view(torch.uint8)
+        .reshape(n // 16, 16, groups, g // 2, 2)
+        .permute(0, 2, 3, 1, 4)
+        .reshape(n // 16, groups, 16 * g)
+    )
+
+    def per_group(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [blocks, G, 64 bytes] of float32
+        return t.float().reshape(n // 16, 16, groups).transpose(1, 2).contiguous().view(torch.uint8)
+
+    low = torch.zeros_like(scale) if minimum is None else minimum
+    return torch.cat([codes, per_group(scale), per_group(low)], dim=-1).contiguous()
 
 
 def main() -> None:

@@ -49,6 +49,7 @@ PLAIT_LIBRARY(PLAIT_NS, m) {
   m.def("has_int8_rows() -> bool");
   m.def("small_gemm(Tensor x, Tensor w, Tensor? bias, int n, bool widen=False) -> Tensor");
   m.def("int4_gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("int8g_gemv(Tensor x, Tensor w, Tensor? bias, bool widen=False) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("mirror_steady_(Tensor(a!) ids, Tensor(b!) stamps, Tensor(c!) lens, Tensor slot_stamp, Tensor kv, Tensor pre, "
         "Tensor targets, int clock, int kv_heads) -> Tensor");
@@ -93,6 +94,7 @@ PLAIT_LIBRARY_IMPL(PLAIT_NS, CPU, m) {
   m.impl("int8_rows", &int8_rows);
   m.impl("small_gemm", &small_gemm);
   m.impl("int4_gemv", &int4_gemv);
+  m.impl("int8g_gemv", &int8g_gemv);
   m.impl("kv_write_", &kv_write_);
   m.impl("decode_layers_", &decode_layers_);
   m.impl("decode_step", &decode_step);

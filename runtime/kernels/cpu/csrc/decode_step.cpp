@@ -145,8 +145,9 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 // for bit. Per layer, `weights` holds 10 tensors: input norm, qkv (a, b), o (a, b), post-attention
 // norm, gate_up (a, b), down (a, b); `kinds` 8 ints: (kind, out_features) per projection. A
 // projection's kind: 0 small_gemm (a = panels, b = float32 bias or empty), 1 int4_gemv (a = packed
-// codes, b = float32 bias or empty), 2 int8_gemv (a = int8 weight, b = float32 scales) or 3 int8_rows
-// (a = its packed int8 weight, b = float32 scales). Attention: this step's K/V to pool slots `slots`
+// codes, b = float32 bias or empty), 2 int8_gemv (a = int8 weight, b = float32 scales), 3 int8_rows
+// (a = its packed int8 weight, b = float32 scales) or 4 int8g_gemv (a = packed codes, b = float32 bias
+// or empty). Attention: this step's K/V to pool slots `slots`
 // and mirror rows `mirror_at`, then decode attention over each layer's mirror with `lens`, batch row b
 // at mirror row mirror_rows[b] (default b; see decode_mirror.py).
 // y: contiguous [rows, out_features] in x's dtype; `widen` (the LM head): float32, small_gemm's
@@ -160,6 +161,7 @@ void project_into(const at::Tensor& x, const int64_t* kind, const at::Tensor& a,
     case 1: return int4_gemv_into(x, a, bias, y);
     case 2: return int8_gemv_into(x, a, b, y);
     case 3: return int8_rows_into(x, a, b, y);
+    case 4: return int8g_gemv_into(x, a, bias, widen, y);
   }
   TORCH_CHECK(false, "decode_layers_: unknown projection kind ", kind[0]);
 }

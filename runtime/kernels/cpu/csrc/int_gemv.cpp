@@ -1,6 +1,7 @@
 // Integer-weight projections on int16 activations (x quantized per block along K, products summed
 // exactly in int32): int8_gemv (int8 [N, K], decode's few rows), int8_rows (int8 packed 16 outputs a
-// vector, any rows) and int4_gemv (GGUF Q4_1's codes and scales, any rows).
+// vector, any rows), int4_gemv (GGUF Q4_1's codes and scales, any rows) and int8g_gemv (int8 codes with
+// a scale and minimum per group of 16 or 32: GGUF's 5- to 8-bit types).
 // AVX-512 with VNNI and BW (PLAIT_INT_GEMV_512): int8_gemv and int4_gemv by vpdpwssd; no int8_rows
 // (there int8_gemv and the bfloat16 copy serve). AVX2 + FMA + F16C (PLAIT_AVX2): all three, by
 // vpmaddwd + vpaddd. Other builds (-march=x86-64, AVX-512 without VNNI) have none: has_int_gemv() and
@@ -448,6 +449,160 @@ void int4_gemv_into(const at::Tensor& x, const at::Tensor& w, const c10::optiona
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   at::Tensor y;
   int4_gemv_into(x, w, bias, y);
+  return y;
+}
+
+// ---- int8 codes with a scale and minimum per group: GGUF's 5- to 8-bit types as the file has them ----
+// y[m, n] = sum_g d[n, g] * sum_{k in g} q[n, k] * x[m, k] + mn[n, g] * sum_{k in g} x[m, k], with
+// int8 codes q in groups of G = 16 or 32 along K and float32 d, mn: Q8_0 (q, d), Q5_0 (q - 16, d),
+// Q5_1 (q, d, m), Q5_K (q, d * sc, -dmin * m per 32) and Q6_K (q - 32, d * sc per 16) all fit, and
+// float32 holds each product of the file's fp16 and 6- or 8-bit scales exactly, so the layer's weights
+// are the file's. As int4_gemv: x as int16 per group (xsum for the minimums), 16 output rows a vector,
+// exact int32 sums (at most 32 x 32767 x 128 a group). Per block of 16 rows and group (`int8g_gemv_pack`):
+// G/2 chunks of 32 bytes, byte 2i + j of chunk p row i's code for k = 2p + j (a chunk sign-extended is
+// vpdpwssd's pairs, 16 rows to a vector), then d[16] and mn[16] as float32: 16 G + 128 bytes.
+#if defined(PLAIT_INT_GEMV)
+#define PLAIT_INT8G_GEMV 1
+template <int G>
+constexpr int64_t int8g_group_bytes() { return 16 * G + 128; }
+#endif
+
+#if defined(PLAIT_INT_GEMV_512)
+template <int G, int M, typename O>
+void int8g_gemv_blocks(const int16_t* xq, const float* xs, const float* xsum, const uint8_t* w, const float* bias,
+                       int64_t K, int64_t b0, int64_t b1, O* y, int64_t N) {
+  constexpr int64_t GB = int8g_group_bytes<G>();
+  constexpr int C = M <= 2 ? 2 : 1;   // chains per row of x: a group is G/2 dependent dot products
+  const int64_t NG = K / G;
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* wb = w + b * NG * GB;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < NG; ++g) {
+      const uint8_t* wg = wb + g * GB;
+      for (int l = 0; l < GB / 64; ++l) _mm_prefetch(reinterpret_cast<const char*>(wg + 4 * GB + 64 * l), _MM_HINT_T0);
+      __m512i dot[C][M];
+      for (int c = 0; c < C; ++c)
+        for (int m = 0; m < M; ++m) dot[c][m] = _mm512_setzero_si512();
+      for (int p = 0; p < G / 2; p += C) {
+        for (int c = 0; c < C; ++c) {
+          const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + (p + c) * 32)));
+          for (int m = 0; m < M; ++m) {
+            const int32_t pair = *reinterpret_cast<const int32_t*>(xq + m * K + g * G + 2 * (p + c));
+            dot[c][m] = _mm512_dpwssd_epi32(dot[c][m], v, _mm512_set1_epi32(pair));
+          }
+        }
+      }
+      const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(wg + 16 * G));
+      const __m512 mn = _mm512_loadu_ps(reinterpret_cast<const float*>(wg + 16 * G + 64));
+      for (int m = 0; m < M; ++m) {
+        const __m512i sum = C == 2 ? _mm512_add_epi32(dot[0][m], dot[C - 1][m]) : dot[0][m];
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(xs[m * NG + g])), acc[m]);
+        acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[m * NG + g]), acc[m]);
+      }
+    }
+    const __m512 bv = bias ? _mm512_loadu_ps(bias + b * 16) : _mm512_setzero_ps();
+    for (int m = 0; m < M; ++m) store16(y + m * N + b * 16, _mm512_add_ps(acc[m], bv));
+  }
+}
+#elif defined(PLAIT_INT8G_GEMV)
+// AVX2: a chunk's first 16 bytes are rows 0-7, its last 16 rows 8-15, one vector each; vpmaddwd.
+template <int G, int M, typename O>
+void int8g_gemv_blocks(const int16_t* xq, const float* xs, const float* xsum, const uint8_t* w, const float* bias,
+                       int64_t K, int64_t b0, int64_t b1, O* y, int64_t N) {
+  constexpr int64_t GB = int8g_group_bytes<G>();
+  const int64_t NG = K / G;
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* wb = w + b * NG * GB;
+    __m256 acc[2][M];
+    for (int h = 0; h < 2; ++h)
+      for (int m = 0; m < M; ++m) acc[h][m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < NG; ++g) {
+      const uint8_t* wg = wb + g * GB;
+      for (int l = 0; l < GB / 64; ++l) _mm_prefetch(reinterpret_cast<const char*>(wg + 4 * GB + 64 * l), _MM_HINT_T0);
+      __m256i dot[2][M];
+      for (int h = 0; h < 2; ++h)
+        for (int m = 0; m < M; ++m) dot[h][m] = _mm256_setzero_si256();
+      for (int p = 0; p < G / 2; ++p) {
+        const __m256i v0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + p * 32)));
+        const __m256i v1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + p * 32 + 16)));
+        for (int m = 0; m < M; ++m) {
+          const __m256i xv = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xq + m * K + g * G + 2 * p));
+          dot[0][m] = _mm256_add_epi32(dot[0][m], _mm256_madd_epi16(v0, xv));
+          dot[1][m] = _mm256_add_epi32(dot[1][m], _mm256_madd_epi16(v1, xv));
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(wg + 16 * G + 32 * h));
+        const __m256 mn = _mm256_loadu_ps(reinterpret_cast<const float*>(wg + 16 * G + 64 + 32 * h));
+        for (int m = 0; m < M; ++m) {
+          acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[h][m]), _mm256_mul_ps(d, _mm256_set1_ps(xs[m * NG + g])), acc[h][m]);
+          acc[h][m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xsum[m * NG + g]), acc[h][m]);
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 bv = bias ? _mm256_loadu_ps(bias + b * 16 + 8 * h) : _mm256_setzero_ps();
+      for (int m = 0; m < M; ++m) store8(y + m * N + b * 16 + 8 * h, _mm256_add_ps(acc[h][m], bv));
+    }
+  }
+}
+#endif
+
+#if defined(PLAIT_INT8G_GEMV)
+template <int G>
+void int8g_gemv_run(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor& y) {
+  constexpr int64_t GB = int8g_group_bytes<G>();
+  const int64_t M = x.size(0), K = x.size(1), NG = K / G, NB = w.size(0), N = NB * 16;
+  const at::Tensor xc = x.contiguous();
+  QuantizedX& q = quantized_x(M * K, M * NG);
+  int16_t* xq = q.q.data();
+  float *xs = q.scale.data(), *xsum = q.sum.data();
+  quantize_int16_blocks<G>(xc, xq, xs, xsum);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t chunk = std::max<int64_t>(1, 32768 / (NG * GB));   // ~32 KB of weights
+  auto run = [&](auto* yp) {
+    row_blocks_over_chunks<8>(NB, M, grain(16 * K * M, 65536), chunk, [&](auto rows, int64_t r0, int64_t c0, int64_t c1) {
+      int8g_gemv_blocks<G, decltype(rows)::value>(xq + r0 * K, xs + r0 * NG, xsum + r0 * NG, wp, bias, K, c0, c1,
+                                                  yp + r0 * N, N);
+    });
+  };
+  if (y.scalar_type() == at::kBFloat16) run(y.data_ptr<c10::BFloat16>());
+  else run(y.data_ptr<float>());
+}
+#endif
+
+// y: contiguous [M, N], float32 or x's dtype; made here when undefined (float32 with `widen`, else
+// in x's dtype).
+void int8g_gemv_into(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, bool widen,
+                     at::Tensor& y) {
+  check_cpu(x, "x");
+  check_cpu(w, "w");
+  const int64_t G = w.dim() == 3 ? (w.size(2) - 128) / 16 : 0;
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() && (G == 16 || G == 32) &&
+                  w.size(2) == 16 * G + 128,
+              "int8g_gemv: w must be the packed uint8 [N/16, K/G, 16 G + 128] of int8g_gemv_pack, G 16 or 32");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1) * G && x.size(0) >= 1, "int8g_gemv: x must be [M >= 1, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "int8g_gemv: x must be float32 or bfloat16");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                                    bias->numel() == w.size(0) * 16),
+              "int8g_gemv: bias must be float32 [N]");
+#if defined(PLAIT_INT8G_GEMV)
+  const int64_t M = x.size(0), N = w.size(0) * 16;
+  if (!y.defined()) y = at::empty({M, N}, x.options().dtype(widen ? at::kFloat : x.scalar_type()));
+  TORCH_CHECK(y.scalar_type() == at::kFloat || y.scalar_type() == x.scalar_type(), "int8g_gemv: out must be float32 or x's dtype");
+  check_out(y, {M, N}, y.scalar_type(), "int8g_gemv");
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  if (G == 16) int8g_gemv_run<16>(x, w, bp, y);
+  else int8g_gemv_run<32>(x, w, bp, y);
+#else
+  TORCH_CHECK(false, "int8g_gemv: this build has no AVX512-VNNI or AVX2");
+#endif
+}
+
+at::Tensor int8g_gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, bool widen) {
+  at::Tensor y;
+  int8g_gemv_into(x, w, bias, widen, y);
   return y;
 }
 

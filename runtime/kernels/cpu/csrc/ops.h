@@ -37,6 +37,9 @@ at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 bool has_int8_rows();
 void int4_gemv_into(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor& y);
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
+void int8g_gemv_into(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, bool widen,
+                     at::Tensor& y);
+at::Tensor int8g_gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, bool widen);
 bool has_int_gemv();
 bool int4_gemv_all_rows();
 
@@ -69,7 +72,8 @@ struct DecodePlan : torch::CustomClassHolder {
                     sin.sizes() == cos.sizes() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
                     sin.scalar_type() == at::kFloat && cos.size(1) == head_dim,
                 "DecodePlan.set_ends: a contiguous [vocab, hidden] embedding and float32 [positions, head_dim] RoPE tables");
-    TORCH_CHECK(kind == 0 || kind == 2 || kind == 3, "DecodePlan.set_ends: the head runs small_gemm, int8_gemv or int8_rows");
+    TORCH_CHECK(kind == 0 || kind == 2 || kind == 3 || kind == 4,
+                "DecodePlan.set_ends: the head runs small_gemm, int8_gemv, int8_rows or int8g_gemv");
     embed = std::move(embed_);
     rope_cos = std::move(cos);
     rope_sin = std::move(sin);
