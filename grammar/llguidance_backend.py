@@ -33,7 +33,9 @@ JSON_OPTIONS = {
 # What a schema llguidance refuses for its oneOf or unimplemented keywords compiles with: oneOf read
 # as anyOf, the unimplemented keywords (not, if/then/else, dependencies, uniqueItems, ...) ignored.
 LENIENT = {"coerce_one_of": True, "lenient": True}
-_APPROXIMABLE = re.compile(r"oneOf constraints are not supported|Unimplemented keys")
+_APPROXIMABLE = re.compile(r"oneOf constraints are not supported|Unimplemented keys|Unknown format")
+_UNSATISFIABLE = "unsatisfiable"
+_TOO_LARGE = "schema too large"
 
 
 class LLGuidanceBackend(GrammarBackend):
@@ -60,12 +62,17 @@ class LLGuidanceBackend(GrammarBackend):
     def cache_key(self) -> tuple:
         return (self.name, self.json_whitespace, self.strict_mode)
 
-    def _grammar_text(self, spec: GrammarSpec, lenient: bool = False) -> str:
+    def _grammar_text(
+        self, spec: GrammarSpec, lenient: bool = False, close: bool | None = None, presence_cases: bool = True
+    ) -> str:
         try:
             if spec.kind == "json_schema":
                 schema = spec.schema()
+                close = self.strict_mode if close is None else close
                 text = (
-                    json.dumps(strict_schema(schema, close=self.strict_mode)) if isinstance(schema, dict) else spec.spec
+                    json.dumps(strict_schema(schema, close=close, presence_cases=presence_cases))
+                    if isinstance(schema, dict)
+                    else spec.spec
                 )
                 options = {**JSON_OPTIONS[self.json_whitespace], **(LENIENT if lenient else {})}
                 return LLMatcher.grammar_from_json_schema(text, overrides=options)
@@ -86,18 +93,36 @@ class LLGuidanceBackend(GrammarBackend):
             raise GrammarError(f"llguidance: invalid {spec.kind}: {e}") from None
         raise GrammarError(f"llguidance: unsupported grammar kind {spec.kind!r}")  # pragma: no cover
 
+    def _template(self, spec: GrammarSpec, **how) -> tuple[str, LLMatcher]:
+        text = self._grammar_text(spec, **how)
+        return text, LLMatcher(self.tokenizer, text, log_level=0)
+
     def compile(self, spec: GrammarSpec, *, timeout_s: float | None = None) -> Grammar:
         t0 = time.perf_counter()
-        text = self._grammar_text(spec)
-        template = LLMatcher(self.tokenizer, text, log_level=0)
+        text, template = self._template(spec)
         approximate = False
-        if template.is_error() and spec.kind == "json_schema" and _APPROXIMABLE.search(template.get_error()):
-            # oneOf / keywords llguidance does not implement: the same schema with those relaxed
-            # (oneOf as anyOf, the others ignored), exact everywhere else; the output check validates
-            text = self._grammar_text(spec, lenient=True)
-            lenient = LLMatcher(self.tokenizer, text, log_level=0)
-            if not lenient.is_error():
-                template, approximate = lenient, True
+
+        def error() -> str:
+            return template.get_error() if template.is_error() else ""
+
+        if spec.kind == "json_schema":
+            how = {"close": self.strict_mode}
+            if self.strict_mode and _UNSATISFIABLE in error().lower():
+                # strict mode closed an object some other part adds keys to: the schema as written
+                how["close"] = False
+                text, template = self._template(spec, **how)
+            if _TOO_LARGE in error():
+                # an `if` on a key's presence doubled a large object: left to lenient mode instead
+                how["presence_cases"] = False
+                text, template = self._template(spec, **how)
+            if _APPROXIMABLE.search(error()):
+                # oneOf / keywords llguidance does not implement: the same schema with those relaxed
+                # (oneOf as anyOf, the others ignored), exact everywhere else; the output check validates
+                relaxed, lenient = self._template(spec, lenient=True, **how)
+                if lenient.is_error() and _TOO_LARGE in lenient.get_error():
+                    relaxed, lenient = self._template(spec, lenient=True, **how, presence_cases=False)
+                if not lenient.is_error():
+                    text, template, approximate = relaxed, lenient, True
         if template.is_error():
             raise GrammarError(f"llguidance: invalid {spec.kind}: {template.get_error()}")
         g = LLGuidanceGrammar(self, spec, text, template)

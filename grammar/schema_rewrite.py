@@ -4,8 +4,20 @@ property values, `not` / `dependencies` that keep keys out, and strict mode's cl
 
 from __future__ import annotations
 
+import contextvars
 import json
 from typing import Any
+
+from .schema_keywords import (
+    integral_counts,
+    plain_conditional,
+    plain_not,
+    property_names,
+    ref_siblings,
+    resolve_local_ref,
+    static_refs,
+    unevaluated_properties,
+)
 
 # keywords whose values are schemas (a dict), lists of schemas, or maps of name -> schema;
 # everything else (enum, const, default, examples, ...) is data and is left alone
@@ -128,24 +140,6 @@ def _cases(node: dict) -> tuple[list[tuple[dict, Any, str]], tuple[Any, str], li
 
 def _escape(key: str) -> str:
     return key.replace("~", "~0").replace("/", "~1")
-
-
-def resolve_local_ref(root: Any, ref: str) -> Any:
-    """The target of a local `$ref` ("#" or a "#/..." JSON pointer), or None."""
-    if ref == "#":
-        return root
-    if not ref.startswith("#/"):
-        return None
-    node = root
-    for part in ref[2:].split("/"):
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
 
 
 def _moved_refs(node: Any, moves: list[tuple[str, str]]) -> Any:
@@ -338,28 +332,56 @@ def _open_refs(root: Any) -> set[str]:
     return found
 
 
-def strict_schema(node, close: bool = True, *, root: Any = None, path: str = "#", _open: set | None = None):
+_PRESENCE_CASES = contextvars.ContextVar("presence_cases", default=True)
+
+
+def strict_schema(
+    node,
+    close: bool = True,
+    *,
+    presence_cases: bool = True,
+    root: Any = None,
+    path: str = "#",
+    _open: set | None = None,
+):
     """A copy of the schema for llguidance: `oneOf` over `required` lists made exclusive (see
     `exclusive_required`), conditionals keyed on property values as branches (see
-    `conditional_branches`); and with `close`, objects that list `properties` and say nothing of other
+    `conditional_branches`), the keywords of `schema_keywords` as ones llguidance implements; and
+    with `close`, objects that list `properties` and say nothing of other
     keys forbid them (`additionalProperties: false`) — what xgrammar's strict mode does, so that a
     model writes the declared keys and stops instead of inventing more. An object that is only a
     part of one is left open, with all it contains: the branches of an `allOf`, the subschemas of
     `if` / `then` / `else` / `not`, the `anyOf` / `oneOf` branches of an object that declares keys
     itself, and the definitions those refer to (closing a part would forbid the keys the other
-    parts declare, and a required one would make the schema unsatisfiable). `root` and `path` (the
+    parts declare, and a required one would make the schema unsatisfiable). `presence_cases`: an
+    `if` on a key's presence as the anyOf of its two cases (which can multiply a large object's
+    grammar past llguidance's limit). `root` and `path` (the
     node's JSON pointer) let a rewrite keep `$ref`s into what it moves pointing right."""
     if root is None:
-        root = node
+        root = node = ref_siblings(static_refs(node))
         _open = _open_refs(node) if close else set()
+        token = _PRESENCE_CASES.set(presence_cases)
+        try:
+            out = strict_schema(node, close=close, root=root, path=path, _open=_open)
+        finally:
+            _PRESENCE_CASES.reset(token)
+        return _applicators_last(_without_false_branches(out, out))
     if isinstance(node, list):
         return [strict_schema(x, close=close, root=root, path=f"{path}/{i}", _open=_open) for i, x in enumerate(node)]
     if not isinstance(node, dict):
         return node
     node = conditional_branches(node, root, path) or node
+    node = integral_counts(plain_conditional(node, _PRESENCE_CASES.get()))
+    declared = isinstance(node.get("properties"), dict)  # (absent_keys adds forbidden ones)
     node = absent_keys(node)
+    if node is not False:
+        node = plain_not(node)
     if node is False:
         return False
+    node = property_names(node)
+    if node is False:
+        return False
+    node = unevaluated_properties(node, root)
     out = {}
     partial = _partial_branches(node)
     for k, v in node.items():
@@ -393,7 +415,8 @@ def strict_schema(node, close: bool = True, *, root: Any = None, path: str = "#"
         return out
     props = node.get("properties")
     if (
-        isinstance(props, dict)
+        declared
+        and isinstance(props, dict)
         and "allOf" not in node
         # a required key the properties do not declare stays writable (closing would make it unsatisfiable)
         and all(k in props for k in node.get("required", ()) if isinstance(k, str))
@@ -401,3 +424,47 @@ def strict_schema(node, close: bool = True, *, root: Any = None, path: str = "#"
     ):
         out["additionalProperties"] = False
     return out
+
+
+_APPLICATORS = ("allOf", "anyOf", "oneOf")
+
+
+def _without_false_branches(node: Any, root: Any) -> Any:
+    """`anyOf` / `oneOf` without the branches that are `false` (or a `$ref` to one), which llguidance
+    refuses as unsatisfiable even beside others; none left: `false`."""
+    if isinstance(node, list):
+        return [_without_false_branches(x, root) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for k, v in node.items():
+        if k in ("enum", "const", "default", "examples"):
+            out[k] = v
+            continue
+        v = _without_false_branches(v, root)
+        if k in ("anyOf", "oneOf") and isinstance(v, list):
+            v = [b for b in v if not _is_false(b, root)]
+            if not v:
+                return False
+        out[k] = v
+    return out
+
+
+def _is_false(node: Any, root: Any) -> bool:
+    if isinstance(node, dict) and set(node) == {"$ref"} and isinstance(node["$ref"], str):
+        node = resolve_local_ref(root, node["$ref"])
+    return node is False
+
+
+def _applicators_last(node: Any) -> Any:
+    """The schema with `allOf` / `anyOf` / `oneOf` after a node's other keywords: llguidance merges
+    an `allOf` written before the node's `properties` without them (a closed object then refuses
+    keys it declares; seen with llguidance 1.x)."""
+    if isinstance(node, list):
+        return [_applicators_last(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    keys = sorted(node, key=lambda k: k in _APPLICATORS)  # (stable: the rest keep their order)
+    return {
+        k: _applicators_last(node[k]) if k not in ("enum", "const", "default", "examples") else node[k] for k in keys
+    }

@@ -35,8 +35,10 @@ def schema_violation(schema_text: str, text: str) -> str | None:
     if error is None:
         return None
     where = "".join(f"[{p!r}]" for p in error.absolute_path) or "the root"
+    # a `false` subschema has no keyword of its own: the one that holds it (propertyNames, ...)
+    keyword = error.validator or next((str(p) for p in reversed(error.schema_path)), "false")
     return (
-        f"{INVALID_OUTPUT}: the generated document breaks the schema's '{error.validator}' at {where}: "
+        f"{INVALID_OUTPUT}: the generated document breaks the schema's '{keyword}' at {where}: "
         f"{error.message[:300]} (a keyword the grammar backend approximates; the document is withheld)"
     )
 

@@ -45,6 +45,8 @@ def test_schema_violation_names_the_keyword_and_where():
         why = schema_violation(text, doc)
         assert why.startswith(INVALID_OUTPUT) and f"'{keyword}'" in why and where in why, why
     assert "not JSON" in schema_violation(text, '{"n": ')
+    # a `false` subschema: named by the keyword that holds it
+    assert "'propertyNames'" in schema_violation('{"propertyNames": false}', '{"a": 1}')
 
 
 def test_an_invalid_finished_document_becomes_an_abort_answered_with_500():

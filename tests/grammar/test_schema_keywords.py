@@ -1,0 +1,165 @@
+"""Keywords llguidance drops in lenient mode, rewritten into ones it enforces (grammar/schema_keywords.py):
+each schema below (shapes of JSON-Schema-Test-Suite cases and of real schemas) compiles exactly (no
+approximation), its grammar takes the valid documents (keys in the order the schema declares them,
+as llguidance writes them) and refuses the invalid ones, as a real JSON Schema validator judges
+them."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from plait.grammar import GrammarSpec, make_backend
+from plait.grammar.schema_keywords import ref_siblings, static_refs
+
+BASE = {  # "extend a base type": $ref beside the node's own keywords
+    "$defs": {"base": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}},
+    "$ref": "#/$defs/base",
+    "properties": {"name": {"type": "string"}},
+    "required": ["name"],
+}
+CASES = [  # (what, schema, valid documents, invalid documents)
+    (
+        "unevaluatedProperties over allOf",
+        {
+            "type": "object",
+            "properties": {"a": {"type": "string"}},
+            "allOf": [{"properties": {"b": {"type": "integer"}}}],
+            "unevaluatedProperties": False,
+        },
+        [{"a": "x", "b": 1}, {}],
+        [{"a": "x", "c": 1}, {"b": "x"}],
+    ),
+    (
+        "unevaluatedProperties over oneOf branches",
+        {
+            "type": "object",
+            "properties": {"kind": {"type": "string"}},
+            "oneOf": [
+                {"properties": {"x": {"type": "integer"}}, "required": ["x"]},
+                {"properties": {"y": {"type": "string"}}, "required": ["y"]},
+            ],
+            "unevaluatedProperties": False,
+        },
+        [{"kind": "a", "x": 1}, {"y": "b"}],
+        [{"x": 1, "z": 2}, {"kind": "a"}],
+    ),
+    ("propertyNames: pattern", {"type": "object", "propertyNames": {"pattern": "^a+$"}}, [{"aa": 1}, {}], [{"b": 1}]),
+    (
+        "propertyNames with additionalProperties",
+        {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}, "additionalProperties": {"type": "integer"}},
+        [{"ab": 1}],
+        [{"Ab": 1}, {"ab": "x"}],
+    ),
+    ("propertyNames: maxLength", {"type": "object", "propertyNames": {"maxLength": 3}}, [{"abc": 1}], [{"abcd": 1}]),
+    ("propertyNames: false", {"type": "object", "properties": {"x": {}}, "propertyNames": False}, [{}], [{"x": 1}]),
+    (
+        "if on a key's presence",
+        {
+            "type": "object",
+            "properties": {"a": {}, "b": {"type": "integer"}},
+            "if": {"required": ["a"]},
+            "then": {"required": ["b"]},
+        },
+        [{"a": 1, "b": 2}, {"b": 2}, {}],
+        [{"a": 1}],
+    ),
+    (
+        "if on a key's absence",
+        {
+            "type": "object",
+            "properties": {"m": {}, "s": {}},
+            "if": {"not": {"required": ["m"]}},
+            "then": {"required": ["s"]},
+        },
+        [{"s": 1}, {"m": 1}],
+        [{}],
+    ),
+    ("if: true", {"if": True, "then": {"const": "then"}, "else": {"const": "else"}}, ["then"], ["else"]),
+    ("if on a value", {"if": {"const": "skip"}, "then": True, "else": {"const": 0}}, ["skip"], ["other"]),
+    (
+        "$dynamicRef",
+        {
+            "type": "array",
+            "items": {"$dynamicRef": "#items"},
+            "$defs": {"foo": {"$dynamicAnchor": "items", "type": "string"}},
+        },
+        [["a", "b"]],
+        [[1]],
+    ),
+    (
+        "$recursiveRef in a nested resource",
+        {
+            "$schema": "https://json-schema.org/draft/2019-09/schema",
+            "$id": "http://example.com/root.json",
+            "$defs": {
+                "tree": {
+                    "$id": "tree.json",
+                    "$recursiveAnchor": True,
+                    "anyOf": [{"type": "string"}, {"type": "object", "additionalProperties": {"$recursiveRef": "#"}}],
+                }
+            },
+            "anyOf": [{"type": "integer"}, {"$ref": "#/$defs/tree"}],
+        },
+        [{"a": {"b": "x"}}, 3],
+        [{"a": 1.5}],
+    ),
+    ("not over unknown keywords", {"anyOf": [{"not": {"foo": 1}}, {"type": "string"}]}, ["x"], [1]),
+    ("not: {type: object, ...}", {"not": {"type": "object", "properties": {"a": {"type": "string"}}}}, [1, "x"], [{}]),
+    # (llguidance writes an object's keys in their declared order: the node's, then its parts')
+    (
+        "anyOf beside false branches",  # (llguidance refuses a false branch even beside others)
+        {"$defs": {"no": {"not": {"foo": 1}}}, "anyOf": [{"$ref": "#/$defs/no"}, {"type": "string"}, False]},
+        ["x"],
+        [1],
+    ),
+    (  # (the key dependentRequired keeps out is no declared property: the object stays open)
+        "dependentRequired on an open object",
+        {"type": "object", "dependentRequired": {"a": ["b"]}},
+        [{"c": 1}, {}],
+        [{"a": 1}],
+    ),
+    ("a count written 2.0", {"type": "array", "items": {"type": "integer"}, "minItems": 2.0}, [[1, 2]], [[1]]),
+    ("$ref beside keywords", BASE, [{"name": "n", "id": 1}], [{"id": 1}, {"name": "n"}]),
+]
+
+
+@pytest.fixture(scope="module")
+def backend(smollm2_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    return make_backend("llguidance", tok, len(tok)), tok
+
+
+def _takes(grammar, tok, doc) -> bool:
+    m = grammar.matcher()
+    return all(m.accept(t) for t in tok.encode(json.dumps(doc), add_special_tokens=False)) and m.can_end()
+
+
+@pytest.mark.parametrize("what,schema,valid,invalid", CASES, ids=[c[0] for c in CASES])
+def test_rewritten_keywords_are_enforced_exactly(backend, what, schema, valid, invalid):
+    llg, tok = backend
+    check = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)(schema)
+    assert all(check.is_valid(d) for d in valid) and not any(check.is_valid(d) for d in invalid)  # the cases
+    grammar = llg.compile(GrammarSpec.from_json_schema(json.dumps(schema)))
+    assert not grammar.approximate, what
+    for doc in valid:
+        assert _takes(grammar, tok, doc), (what, doc)
+    for doc in invalid:
+        assert not _takes(grammar, tok, doc), (what, doc)
+
+
+def test_static_refs_leave_what_they_cannot_place():
+    schema = {"items": {"$dynamicRef": "#nowhere"}, "properties": {"r": {"$ref": "other.json#/a"}}}
+    assert static_refs(schema) == schema
+    nested = {"$defs": {"x": {"$id": "x.json", "$defs": {"y": {"type": "string"}}, "$ref": "#/$defs/y"}}}
+    assert static_refs(nested)["$defs"]["x"]["$ref"] == "#/$defs/x/$defs/y"  # the resource's own pointer
+
+
+def test_a_reference_to_an_enclosing_schema_keeps_its_siblings():
+    """llguidance refuses a circular `$ref` inside an `allOf`: such a one stays beside its keywords."""
+    schema = {"definitions": {"x": {"$ref": "#", "allOf": [{"properties": {"a": {}}}]}}, "properties": {}}
+    assert ref_siblings(schema) == schema
