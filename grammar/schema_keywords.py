@@ -35,7 +35,7 @@ _TYPES = ("null", "boolean", "object", "array", "string", "number", "integer")
 _ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames")
 _ONE += ("additionalProperties", "unevaluatedProperties", "unevaluatedItems", "contentSchema")
 _LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def resolve_local_ref(root: Any, ref: str) -> Any:
@@ -56,18 +56,21 @@ def resolve_local_ref(root: Any, ref: str) -> Any:
     return node
 
 
+def escape(key: str) -> str:
+    """A key as a JSON pointer token."""
+    return key.replace("~", "~0").replace("/", "~1")
+
+
 def _children(node: dict, at: str):
-    """(child schema, its pointer) of a schema node."""
+    """(keyword, name / index / None, child schema, its pointer) of a schema node's subschemas."""
     for k, v in node.items():
-        key = k.replace("~", "~0").replace("/", "~1")
-        if k in _ONE or (k == "items" and isinstance(v, dict)):
-            yield v, f"{at}/{key}"
-        elif k in _LISTS or (k == "items" and isinstance(v, list)):
-            if isinstance(v, list):
-                yield from ((x, f"{at}/{key}/{i}") for i, x in enumerate(v))
-        elif k in _MAPS and isinstance(v, dict):
-            for name, x in v.items():
-                yield x, f"{at}/{key}/" + name.replace("~", "~0").replace("/", "~1")
+        key = f"{at}/{escape(k)}"
+        if k in SUBSCHEMA_MAPS and isinstance(v, dict):
+            yield from ((k, name, x, f"{key}/{escape(name)}") for name, x in v.items())
+        elif isinstance(v, list) and (k in _LISTS or k == "items"):
+            yield from ((k, i, x, f"{key}/{i}") for i, x in enumerate(v))
+        elif k in _ONE:
+            yield k, None, v, key
 
 
 def _rewrite(node: Any, fn, at: str = "#") -> Any:
@@ -77,18 +80,12 @@ def _rewrite(node: Any, fn, at: str = "#") -> Any:
     node = fn(node, at)
     if not isinstance(node, dict):
         return node
-    out = dict(node)
-    for k, v in node.items():
-        key = k.replace("~", "~0").replace("/", "~1")
-        if k in _ONE or (k == "items" and isinstance(v, dict)):
-            out[k] = _rewrite(v, fn, f"{at}/{key}")
-        elif (k in _LISTS or k == "items") and isinstance(v, list):
-            out[k] = [_rewrite(x, fn, f"{at}/{key}/{i}") for i, x in enumerate(v)]
-        elif k in _MAPS and isinstance(v, dict):
-            out[k] = {
-                name: _rewrite(x, fn, f"{at}/{key}/" + name.replace("~", "~0").replace("/", "~1"))
-                for name, x in v.items()
-            }
+    out = {k: dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v for k, v in node.items()}
+    for k, where, child, child_at in _children(node, at):
+        if where is None:
+            out[k] = _rewrite(child, fn, child_at)
+        else:
+            out[k][where] = _rewrite(child, fn, child_at)
     return out
 
 
@@ -118,7 +115,7 @@ def static_refs(root: Any) -> Any:
         if isinstance(node.get("$dynamicAnchor"), str):
             anchors.setdefault((base, node["$dynamicAnchor"]), at)
             dynamic.setdefault(node["$dynamicAnchor"], []).append((base, at))
-        for child, child_at in _children(node, at):
+        for _, _, child, child_at in _children(node, at):
             walk(child, child_at, base, res_at)
 
     walk(root, "#", "", "#")

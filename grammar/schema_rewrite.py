@@ -4,11 +4,12 @@ property values, `not` / `dependencies` that keep keys out, and strict mode's cl
 
 from __future__ import annotations
 
-import contextvars
 import json
 from typing import Any
 
 from .schema_keywords import (
+    SUBSCHEMA_MAPS,
+    escape,
     integral_counts,
     plain_conditional,
     plain_not,
@@ -35,7 +36,6 @@ _SUBSCHEMA = (
     "unevaluatedItems",
 )
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 _ANNOTATIONS = ("title", "description", "$comment")
@@ -136,10 +136,6 @@ def _cases(node: dict) -> tuple[list[tuple[dict, Any, str]], tuple[Any, str], li
                 kept.append((item, at))
         rest = kept
     return (cases, otherwise, rest) if cases else None
-
-
-def _escape(key: str) -> str:
-    return key.replace("~", "~0").replace("/", "~1")
 
 
 def _moved_refs(node: Any, moves: list[tuple[str, str]]) -> Any:
@@ -332,9 +328,6 @@ def _open_refs(root: Any) -> set[str]:
     return found
 
 
-_PRESENCE_CASES = contextvars.ContextVar("presence_cases", default=True)
-
-
 def strict_schema(
     node,
     close: bool = True,
@@ -360,18 +353,17 @@ def strict_schema(
     if root is None:
         root = node = ref_siblings(static_refs(node))
         _open = _open_refs(node) if close else set()
-        token = _PRESENCE_CASES.set(presence_cases)
-        try:
-            out = strict_schema(node, close=close, root=root, path=path, _open=_open)
-        finally:
-            _PRESENCE_CASES.reset(token)
-        return _applicators_last(_without_false_branches(out, out))
+        out = strict_schema(node, close=close, root=root, path=path, presence_cases=presence_cases, _open=_open)
+        return _finished(out, out)
     if isinstance(node, list):
-        return [strict_schema(x, close=close, root=root, path=f"{path}/{i}", _open=_open) for i, x in enumerate(node)]
+        return [
+            strict_schema(x, close=close, root=root, path=f"{path}/{i}", presence_cases=presence_cases, _open=_open)
+            for i, x in enumerate(node)
+        ]
     if not isinstance(node, dict):
         return node
     node = conditional_branches(node, root, path) or node
-    node = integral_counts(plain_conditional(node, _PRESENCE_CASES.get()))
+    node = integral_counts(plain_conditional(node, presence_cases))
     declared = isinstance(node.get("properties"), dict)  # (absent_keys adds forbidden ones)
     node = absent_keys(node)
     if node is not False:
@@ -385,26 +377,33 @@ def strict_schema(
     out = {}
     partial = _partial_branches(node)
     for k, v in node.items():
-        at = f"{path}/{_escape(k)}"
+        at = f"{path}/{escape(k)}"
         # a part of this object (or of its instance) is left open, with all it contains
         sub_close = close and k not in _SAME_INSTANCE and not (k in ("anyOf", "oneOf") and partial)
         if k in _SUBSCHEMA:
-            out[k] = strict_schema(v, close=sub_close, root=root, path=at, _open=_open)
+            out[k] = strict_schema(v, close=sub_close, root=root, path=at, presence_cases=presence_cases, _open=_open)
         elif k == "oneOf" and "anyOf" not in node and isinstance(v, list) and (ex := exclusive_required(v)):
             out["anyOf"] = ex
         elif k in _SUBSCHEMA_LISTS and isinstance(v, list):
             out[k] = [
-                strict_schema(x, close=sub_close, root=root, path=f"{at}/{i}", _open=_open) for i, x in enumerate(v)
+                strict_schema(
+                    x, close=sub_close, root=root, path=f"{at}/{i}", presence_cases=presence_cases, _open=_open
+                )
+                for i, x in enumerate(v)
             ]
         elif k == "allOf" and isinstance(v, list):
-            out[k] = [strict_schema(x, close=False, root=root, path=f"{at}/{i}", _open=_open) for i, x in enumerate(v)]
-        elif k in _SUBSCHEMA_MAPS and isinstance(v, dict):
+            out[k] = [
+                strict_schema(x, close=False, root=root, path=f"{at}/{i}", presence_cases=presence_cases, _open=_open)
+                for i, x in enumerate(v)
+            ]
+        elif k in SUBSCHEMA_MAPS and isinstance(v, dict):
             out[k] = {
                 name: strict_schema(
                     x,
-                    close=sub_close and f"{at}/{_escape(name)}" not in (_open or ()),
+                    close=sub_close and f"{at}/{escape(name)}" not in (_open or ()),
                     root=root,
-                    path=f"{at}/{_escape(name)}",
+                    path=f"{at}/{escape(name)}",
+                    presence_cases=presence_cases,
                     _open=_open,
                 )
                 for name, x in v.items()
@@ -429,19 +428,18 @@ def strict_schema(
 _APPLICATORS = ("allOf", "anyOf", "oneOf")
 
 
-def _without_false_branches(node: Any, root: Any) -> Any:
-    """`anyOf` / `oneOf` without the branches that are `false` (or a `$ref` to one), which llguidance
-    refuses as unsatisfiable even beside others; none left: `false`."""
+def _finished(node: Any, root: Any) -> Any:
+    """The schema as llguidance takes it: `anyOf` / `oneOf` without branches that are `false` (or a
+    `$ref` to one), which it refuses as unsatisfiable even beside others (none left: `false`); and
+    `allOf` / `anyOf` / `oneOf` after a node's other keywords (llguidance 1.9 merges an `allOf`
+    written before the node's `properties` without them: a closed object then refuses its keys)."""
     if isinstance(node, list):
-        return [_without_false_branches(x, root) for x in node]
+        return [_finished(x, root) for x in node]
     if not isinstance(node, dict):
         return node
     out = {}
-    for k, v in node.items():
-        if k in ("enum", "const", "default", "examples"):
-            out[k] = v
-            continue
-        v = _without_false_branches(v, root)
+    for k in sorted(node, key=lambda k: k in _APPLICATORS):  # (stable: the rest keep their order)
+        v = node[k] if k in ("enum", "const", "default", "examples") else _finished(node[k], root)
         if k in ("anyOf", "oneOf") and isinstance(v, list):
             v = [b for b in v if not _is_false(b, root)]
             if not v:
@@ -454,17 +452,3 @@ def _is_false(node: Any, root: Any) -> bool:
     if isinstance(node, dict) and set(node) == {"$ref"} and isinstance(node["$ref"], str):
         node = resolve_local_ref(root, node["$ref"])
     return node is False
-
-
-def _applicators_last(node: Any) -> Any:
-    """The schema with `allOf` / `anyOf` / `oneOf` after a node's other keywords: llguidance merges
-    an `allOf` written before the node's `properties` without them (a closed object then refuses
-    keys it declares; seen with llguidance 1.x)."""
-    if isinstance(node, list):
-        return [_applicators_last(x) for x in node]
-    if not isinstance(node, dict):
-        return node
-    keys = sorted(node, key=lambda k: k in _APPLICATORS)  # (stable: the rest keep their order)
-    return {
-        k: _applicators_last(node[k]) if k not in ("enum", "const", "default", "examples") else node[k] for k in keys
-    }

@@ -835,8 +835,9 @@ def quantize_model(model: nn.Module, method: str, kernel: str | None = None) -> 
         _replace_module(model, name, make_quantized_linear(mod.weight, mod.bias, method, kernel))
     head_method = "int8" if method in ("int4", "gguf") else method
     for head in heads:
-        codes = head.take_checkpoint_codes() if hasattr(head, "take_checkpoint_codes") else None
-        codes = codes if method == "gguf" else None
+        codes = head.take_checkpoint_codes() if hasattr(head, "take_checkpoint_codes") else None  # (taken: freed)
+        if method != "gguf":
+            codes = None
         if codes is not None and codes.kind == "int4":  # (a 4-bit head is rare: as int8g, exactly)
             codes = codes.as_int8g(16 if codes.group_size % 32 else 32)
         if codes is not None:  # the file's own codes
