@@ -41,6 +41,7 @@ import torch
 
 from .base import Matcher
 from .schema_rewrite import resolve_local_ref
+from .string_patterns import completions, schema_patterns
 
 if TYPE_CHECKING:  # pragma: no cover
     from .tokenizer_info import TokenizerInfo
@@ -118,6 +119,22 @@ def _scan(s: _State, data: bytes) -> _State:
     return _State(in_string, escape, str_len, in_number, part, run, depth)
 
 
+def _only(r: "torch.Tensor", token: int) -> None:
+    """Mask row `r` allowing `token` alone."""
+    word, bit = divmod(token, 32)
+    r.zero_()
+    r[word] = -(1 << 31) if bit == 31 else 1 << bit
+
+
+def _string_so_far(before: _State, written: bytes, data: bytes, after: _State) -> bytes:
+    """The open string's bytes after token `data` (`written` before it); empty outside a string."""
+    if not after.in_string:
+        return b""
+    if before.in_string and 0x22 not in data:
+        return written + data
+    return data[data.rindex(b'"') + 1 :]
+
+
 def close_bound(schema: Any, root: Any = None, depth: int = 0) -> int:
     """A generous estimate, from the schema alone, of the tokens the shortest document takes:
     where the guard first walks the grammar (a walk costs a mask a step, so not at every request's
@@ -181,18 +198,20 @@ class GuardTables:
         value = np.zeros(width * 32, dtype=bool)
         opener = np.zeros(width * 32, dtype=bool)
         length = np.zeros(width * 32, dtype=np.int32)
+        self.by_bytes: dict[bytes, int] = {}  # a token of each byte string
         for i, b in info.normal_tokens():
             if i >= n:
                 break
             k = len(b) - len(b.lstrip(b"0123456789"))
             lead[i] = k
-            if 0x22 in b:
+            if 0x22 in b and 0x5C not in b:  # (not `\"`: an escaped quote keeps the string open)
                 quote[i] = True
                 string_end[i] = all(c == 0x22 or c in _CLOSERS for c in b)
             closer[i] = all(c in _CLOSERS for c in b) and not all(c in _WS for c in b)
             value[i] = b.strip() in _SHORT_VALUES
             opener[i] = b.strip() in (b'"', b"[", b"{")
             length[i] = len(b)
+            self.by_bytes.setdefault(b, i)
         for e in info.eos_token_ids:
             quote[e] = string_end[e] = closer[e] = True
         self._lead = lead
@@ -255,15 +274,14 @@ class JsonGuard(Matcher):
             max(limits.max_string_length, schema_string_bound(schema)) if limits.max_string_length > 0 else 0
         )
         self.state = _State()
+        self._written = b""  # the open string's bytes so far
+        self._patterns = schema_patterns(schema) if schema is not None else ()
         self._history: list[tuple] = []  # per accepted token: what rollback restores (_saved)
         self._scratch = np.empty(tables.quote.shape, dtype=np.int32)
         self._probe = torch.empty(1, tables.quote.shape[0], dtype=torch.int32)
         # tokens left at the first estimate: soon enough for the schema's close, with room to spare
-        self._probe_at = (
-            min(max_tokens, PROBE_FLOOR + 2 * close_bound(schema))
-            if schema is not None
-            else min(max_tokens, PROBE_FLOOR)
-        )
+        self._bound = close_bound(schema) if schema is not None else 0
+        self._probe_at = min(max_tokens, PROBE_FLOOR + 2 * self._bound)
         self._need = 0  # the last estimate of the shortest close
         self._closing_now = False
         self._soft = False  # within twice the estimate: closing choices preferred
@@ -304,8 +322,10 @@ class JsonGuard(Matcher):
         return self._closing_now
 
     def _soft_zone(self) -> int:
-        """Tokens before the end where closing choices are preferred (at most the last half)."""
-        return min(SOFT_FACTOR * self._need + SOFT_EXTRA, self.max_tokens // 2)
+        """Tokens before the end where closing choices are preferred (at most the last half): the
+        schema's own shortest document on top, as room for one more of what it holds (an array
+        item opened just outside the zone took more than was left: dependabot's `updates`)."""
+        return min(SOFT_FACTOR * self._need + SOFT_EXTRA + self._bound, self.max_tokens // 2)
 
     def _margin(self) -> int:
         return CLOSING_MARGIN + self._need // CLOSING_SHARE
@@ -328,34 +348,54 @@ class JsonGuard(Matcher):
         """Tokens (EOS included) to finish the document from here, taking the closing choices
         wherever the grammar allows them (limit + 1 if the walk takes more); rolled back after.
         `path`, if given, receives the walk's tokens (EOS left out)."""
-        s, steps = self.state, 0
+        s, written, steps = self.state, self._written, 0
         try:
             while steps < limit:
                 if self.inner.can_end():
                     return steps + 1
                 self.inner.fill_mask(self._probe, 0)
-                self._narrow(self._probe[0], self._tiers(s, True))
-                tok = self.tables.longest(self._probe[0])
+                row = self._probe[0]
+                narrowed = self._narrow(row, self._tiers(s, True))
+                tok = None if narrowed or not s.in_string else self._toward_pattern(row, written)
+                tok = self.tables.longest(row) if tok is None else tok
                 if tok < 0 or not self.inner.accept(tok):
                     break
                 steps += 1
                 if path is not None:
                     path.append(tok)
                 if tok < len(self.tables.token_bytes):
-                    s = _scan(s, self.tables.token_bytes[tok])
+                    data = self.tables.token_bytes[tok]
+                    s, before = _scan(s, data), s
+                    written = _string_so_far(before, written, data, s)
             return limit + 1
         finally:
             self.inner.rollback(steps)
 
-    def _narrow(self, r: "torch.Tensor", tiers: list["torch.Tensor"]) -> None:
-        """Narrow mask row `r` to the first tier that leaves a token (unchanged if none does);
-        numpy on the tensors' memory, as `GuardTables.longest`."""
+    def _narrow(self, r: "torch.Tensor", tiers: list["torch.Tensor"]) -> bool:
+        """Narrow mask row `r` to the first tier that leaves a token (unchanged if none does:
+        False); numpy on the tensors' memory, as `GuardTables.longest`."""
         row, narrowed = r.numpy(), self._scratch
         for m in tiers:
             np.bitwise_and(row, m.numpy(), out=narrowed)
             if narrowed.any():
                 row[:] = narrowed
-                return
+                return True
+        return False
+
+    def _toward_pattern(self, r: "torch.Tensor", written: bytes) -> int | None:
+        """Where an open string cannot close yet (its `pattern` does not match): the allowed token
+        that writes the most of the shortest way to a match and its closing quote (None where no
+        pattern of the schema shows one)."""
+        if not self._patterns:
+            return None
+        row = r.numpy()
+        for tail in completions(self._patterns, written):
+            target = tail.encode() + b'"'
+            for n in range(len(target), 0, -1):
+                tok = self.tables.by_bytes.get(target[:n])
+                if tok is not None and (int(row[tok >> 5]) >> (tok & 31)) & 1:
+                    return tok
+        return None
 
     def accept(self, token_id: int) -> bool:
         if not self.inner.accept(token_id):
@@ -367,7 +407,9 @@ class JsonGuard(Matcher):
             else:
                 self._path = None  # off the walk (jump-forward): walk again from here
         if token_id < len(self.tables.token_bytes):
-            self.state = _scan(self.state, self.tables.token_bytes[token_id])
+            data, before = self.tables.token_bytes[token_id], self.state
+            self.state = _scan(before, data)
+            self._written = _string_so_far(before, self._written, data, self.state)
         return True
 
     def fill_mask(self, bitmask: "torch.Tensor", row: int) -> None:
@@ -377,12 +419,13 @@ class JsonGuard(Matcher):
             r = bitmask[row]
             word, bit = divmod(forced, 32)
             if (int(r[word]) >> bit) & 1:  # always, unless the grammar changed under the walk
-                r.zero_()
-                r[word] = -(1 << 31) if bit == 31 else 1 << bit
+                _only(r, forced)
                 return
         tiers = self._tiers(self.state, closing or self._soft)
-        if tiers:
-            self._narrow(bitmask[row], tiers)
+        if tiers and not self._narrow(bitmask[row], tiers) and self.state.in_string:
+            # a string its pattern keeps open: steered to the pattern's nearest match and closed
+            if (tok := self._toward_pattern(bitmask[row], self._written)) is not None:
+                _only(bitmask[row], tok)
 
     def is_finished(self) -> bool:
         return self.inner.is_finished()
@@ -395,6 +438,7 @@ class JsonGuard(Matcher):
         if n:
             (
                 self.state,
+                self._written,
                 self._probe_at,
                 self._need,
                 self._closing_now,
@@ -410,6 +454,7 @@ class JsonGuard(Matcher):
         its masks depend on the accepted tokens alone, as without speculation."""
         return (
             self.state,
+            self._written,
             self._probe_at,
             self._need,
             self._closing_now,

@@ -11,6 +11,7 @@ import torch
 
 from .base import Grammar, GrammarBackend, GrammarError, GrammarSpec, Matcher, decode_forced
 from .bitmask import bitmask_width, checked_row, eos_only_row
+from .schema_keywords import lenient_conditionals
 from .schema_rewrite import strict_schema
 from .tokenizer_info import TokenizerInfo
 
@@ -69,11 +70,11 @@ class LLGuidanceBackend(GrammarBackend):
             if spec.kind == "json_schema":
                 schema = spec.schema()
                 close = self.strict_mode if close is None else close
-                text = (
-                    json.dumps(strict_schema(schema, close=close, presence_cases=presence_cases))
-                    if isinstance(schema, dict)
-                    else spec.spec
-                )
+                if isinstance(schema, dict):
+                    schema = strict_schema(schema, close=close, presence_cases=presence_cases)
+                    text = json.dumps(lenient_conditionals(schema) if lenient else schema)
+                else:
+                    text = spec.spec
                 options = {**JSON_OPTIONS[self.json_whitespace], **(LENIENT if lenient else {})}
                 return LLMatcher.grammar_from_json_schema(text, overrides=options)
             if spec.kind == "json_object":
@@ -112,7 +113,7 @@ class LLGuidanceBackend(GrammarBackend):
                 how["close"] = False
                 text, template = self._template(spec, **how)
             if _TOO_LARGE in error():
-                # an `if` on a key's presence doubled a large object: left to lenient mode instead
+                # an `if` on a key's presence doubled a large object: its case without the key instead
                 how["presence_cases"] = False
                 text, template = self._template(spec, **how)
             if _APPROXIMABLE.search(error()):

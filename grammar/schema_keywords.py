@@ -176,8 +176,13 @@ def ref_siblings(root: Any) -> Any:
 
 def _ref_sibling(node: dict, at: str) -> dict:
     ref = node.get("$ref")
-    if not isinstance(ref, str) or all(k in ("$ref", "$schema", "$id", *_NOTES) for k in node):
+    if not isinstance(ref, str):
         return node
+    kept = {k: v for k, v in node.items() if k in KNOWN or k in SUBSCHEMA_MAPS or k.startswith("$")}
+    if set(kept) & KNOWN == {"$ref"}:
+        # annotations aside (`description`, `markdownDescription`, ...), which llguidance counts as
+        # siblings too and refuses beside a circular reference
+        return kept
     if ref == "#" or at == ref or at.startswith(ref + "/"):
         return node  # a reference to a schema holding it: llguidance refuses that beside other keywords
     out = {k: v for k, v in node.items() if k != "$ref"}
@@ -197,13 +202,13 @@ def _presence(cond: Any) -> str | None:
     return required[0]
 
 
-def _key_cases(cond: Any) -> tuple[dict, dict] | None:
-    """For an `if` on one key's presence (`required: [k]` or `not: {required: [k]}`), the schemas of
-    its holding and of its failing, as llguidance enforces them; else None."""
+def _key_cases(cond: Any) -> tuple[str, bool] | None:
+    """For an `if` on one key's presence (`required: [k]` or `not: {required: [k]}`): the key, and
+    whether the `if` holds when the key is there; else None."""
     if isinstance(cond, dict) and set(cond) & KNOWN == {"not"} and (key := _presence(cond["not"])) is not None:
-        return {"properties": {key: False}}, {"required": [key]}
+        return key, False
     if (key := _presence(cond)) is not None:
-        return {"required": [key]}, {"properties": {key: False}}
+        return key, True
     return None
 
 
@@ -226,9 +231,10 @@ def _merged(a: Any, b: Any) -> Any:
 
 def plain_conditional(node: dict, presence: bool = True) -> dict:
     """An `if` left after `conditional_branches`: `if: true` (or one with no keyword) is its `then`,
-    `if: false` its `else`; with `presence`, one on a key's presence as the `anyOf` of its two cases
-    (exact); one on values (not on which keys an object has) holds together with its `then` (the
-    documents where it holds: a subset)."""
+    `if: false` its `else`; one on a key's presence as the `anyOf` of its two cases (exact), or
+    without `presence` as the case where the key is left out (a subset); one on values (not on
+    which keys an object has) holds together with its `then` (the documents where it holds: a
+    subset)."""
     if "if" not in node:
         return node
     cond = node["if"]
@@ -238,8 +244,17 @@ def plain_conditional(node: dict, presence: bool = True) -> dict:
         taken = [else_]
     elif cond is True or (isinstance(cond, dict) and not (set(cond) & KNOWN)):
         taken = [then]
-    elif presence and (case := _key_cases(cond)) is not None:
-        taken = [{"anyOf": [_merged(case[0], then), _merged(case[1], else_)]}]
+    elif (case := _key_cases(cond)) is not None:
+        key, holds_if_there = case
+        there = _merged({"required": [key]}, then if holds_if_there else else_)
+        absent = _merged({"properties": {key: False}}, else_ if holds_if_there else then)
+        required = node.get("required") if isinstance(node.get("required"), list) else ()
+        if presence:
+            taken = [{"anyOf": [there, absent]}]
+        else:
+            # the exact anyOf doubled a large object past what llguidance holds: the case where the
+            # key is left out (where it is there, if the node requires it): a subset, sound
+            taken = [there if key in required else absent]
     elif isinstance(cond, dict) and (_declares_keys(cond) or "required" in cond or "not" in cond):
         # on which keys an object has: left to lenient mode and the output check (the then-case
         # alone would force keys; llguidance's anyOf of the two cases lost documents)
@@ -266,6 +281,25 @@ _COUNTS = (
 )
 
 
+def lenient_conditionals(root: Any) -> Any:
+    """For llguidance's lenient mode, which drops an `if` it cannot enforce: each such `if` whose
+    `then` and `else` only set `properties` as those properties holding under one branch or the
+    other (a superset, where dropping would leave them unconstrained; the output check validates)."""
+    return _rewrite(root, lambda node, at: _branch_union(node))
+
+
+def _branch_union(node: dict) -> dict:
+    then, else_ = node.get("then"), node.get("else")
+    if "if" not in node or not all(isinstance(b, dict) and set(b) & KNOWN == {"properties"} for b in (then, else_)):
+        return node
+    props = dict(node["properties"]) if isinstance(node.get("properties"), dict) else {}
+    for k in then["properties"].keys() & else_["properties"].keys():
+        either = {"anyOf": [then["properties"][k], else_["properties"][k]]}
+        own = props.get(k, {})
+        props[k] = either if isinstance(own, dict) and not set(own) & KNOWN else {"allOf": [own, either]}
+    return {**{k: v for k, v in node.items() if k not in ("if", "then", "else")}, "properties": props}
+
+
 def integral_counts(node: dict) -> dict:
     """Counts written as integral floats (`"minItems": 2.0`, valid JSON Schema) as integers, which
     llguidance requires."""
@@ -277,7 +311,9 @@ def integral_counts(node: dict) -> dict:
 def plain_not(node: dict) -> dict | bool:
     """`not` over a schema with no keyword of JSON Schema (every instance is valid against it: none
     is valid here) as `false`; `not: {"type": T, ...}` as the other types (exact for a bare `type`
-    but for `number` left out where `T` is `integer`; with more keywords, a subset)."""
+    but for `number` left out where `T` is `integer`; with more keywords, a subset); `not:
+    {"pattern": P}` as nothing where no string is allowed, else as strings without a character every
+    match of `P` has (a subset)."""
     sub = node.get("not")
     if sub is True or (isinstance(sub, dict) and not (set(sub) & KNOWN)):
         return False
@@ -295,7 +331,26 @@ def plain_not(node: dict) -> dict | bool:
         out = {k: v for k, v in node.items() if k != "not"}
         out["type"] = left[0] if len(left) == 1 else left
         return out
+    if isinstance(sub, dict) and set(sub) & KNOWN == {"pattern"} and "pattern" not in node:
+        types = node.get("type", "string")
+        if "string" not in ([types] if isinstance(types, str) else types):
+            return {k: v for k, v in node.items() if k != "not"}  # (a pattern holds only for strings)
+        if (avoiding := _avoiding(sub["pattern"])) is not None:
+            return {**{k: v for k, v in node.items() if k != "not"}, "pattern": avoiding}
     return node
+
+
+# characters that stand for themselves in a pattern and in a character class
+_PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789<>@#%&=:,;'\"!~`/_ ")
+
+
+def _avoiding(pattern: str) -> str | None:
+    """A pattern of strings that `pattern` cannot match: those without a character every match of it
+    holds (its first, where that is a plain literal and there is no alternation), or None."""
+    body = pattern[1:] if pattern.startswith("^") else pattern
+    if "|" in pattern or not body or body[0] not in _PLAIN or body[1:2] in ("?", "*", "{"):
+        return None
+    return f"^[^{body[0]}]*$"
 
 
 def _name_pattern(sub: Any) -> str | None:
@@ -304,7 +359,7 @@ def _name_pattern(sub: Any) -> str | None:
     if not isinstance(sub, dict):
         return None
     keys = set(sub) & KNOWN
-    if keys == {"pattern"} and isinstance(sub["pattern"], str):
+    if keys - {"type"} == {"pattern"} and sub.get("type", "string") == "string" and isinstance(sub["pattern"], str):
         p = sub["pattern"]
         return p if p.startswith("^") and p.endswith("$") else f"^.*(?:{p}).*$" if p else None
     if keys and keys <= {"minLength", "maxLength", "type"} and sub.get("type", "string") == "string":
@@ -313,11 +368,25 @@ def _name_pattern(sub: Any) -> str | None:
     return None
 
 
+_LITERAL_NAMES = re.compile(r"\^\((?:\?:)?([\w-]+(?:\|[\w-]+)*)\)\$|\^([\w-]+)\$")
+
+
+def _banned_names(sub: Any) -> list[str] | None:
+    """The names `sub` rules out by a `not` over an anchored list of literal names."""
+    neg = sub.get("not") if isinstance(sub, dict) else None
+    if not (isinstance(neg, dict) and set(neg) & KNOWN == {"pattern"} and isinstance(neg["pattern"], str)):
+        return None
+    if (m := _LITERAL_NAMES.fullmatch(neg["pattern"])) is None:
+        return None
+    return (m.group(1) or m.group(2)).split("|")
+
+
 def property_names(node: dict) -> dict | bool:
     """`propertyNames` as what llguidance implements: `false` as no key at all; names from an
     `enum` / `const` as those properties only; a pattern (or length bounds) as `patternProperties`
     of it (with the node's `additionalProperties`) and other keys forbidden, the declared properties
-    that do not match it forbidden too. Left as written where the node has `patternProperties`."""
+    that do not match it forbidden too; names a `not` lists literally as properties that cannot be
+    there. Left as written where the node has `patternProperties`."""
     if "propertyNames" not in node:
         return node
     sub = node["propertyNames"]
@@ -327,6 +396,13 @@ def property_names(node: dict) -> dict | bool:
     if "patternProperties" in node:
         return node
     props = dict(node["properties"]) if isinstance(node.get("properties"), dict) else {}
+    if (banned := _banned_names(sub)) is not None:
+        # `not: {pattern: "^(a|b)$"}`: those names as properties that cannot be there
+        sub = {k: v for k, v in sub.items() if k != "not"}
+        props.update(dict.fromkeys(banned, False))
+        out["properties"] = props
+        if not set(sub) & KNOWN - {"type"}:
+            return out
     if sub is False:
         names: list | None = []
     elif isinstance(sub, dict) and set(sub) & KNOWN <= {"enum", "const", "type"} and ("enum" in sub or "const" in sub):

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from .schema_keywords import (
+    KNOWN,
     SUBSCHEMA_MAPS,
     escape,
     integral_counts,
@@ -241,8 +242,8 @@ def _into_branches(node: dict, key: str, dep: Any) -> bool:
 
 def absent_keys(node: dict) -> dict | bool:
     """Keywords llguidance does not implement that say "this key must be absent", as what it does
-    implement: `not: {}` (nothing validates) as `false`; `not: {"required": [k, ...]}` as `k`
-    forbidden (exact for one key, the first key forbidden otherwise); `dependencies` /
+    implement: `not: {}` (nothing validates) as `false`; `not: {"required": [k, ...]}` (or an `allOf`
+    of such) as `k` forbidden (exact for one key, else the first key the node does not require); `dependencies` /
     `dependentRequired` / `dependentSchemas` on key k as k forbidden, or, where k is required, its
     dependency applied. Subsets of the valid documents, never a superset."""
     if "not" in node and _is_empty_schema(node["not"]) and all(k in ("not", *_ANNOTATIONS) for k in node):
@@ -250,17 +251,10 @@ def absent_keys(node: dict) -> dict | bool:
     out = dict(node)
     forbidden: list[str] = []
     extra_schemas: list[Any] = []
-    sub = out.get("not")
-    if (
-        isinstance(sub, dict)
-        and set(sub) == {"required"}
-        and isinstance(sub["required"], list)
-        and sub["required"]
-        and all(isinstance(k, str) for k in sub["required"])
-    ):
-        del out["not"]
-        forbidden.append(sub["required"][0])
     required = set(out.get("required", ())) if isinstance(out.get("required"), list) else set()
+    if together := _required_together(out.get("not")):
+        del out["not"]
+        forbidden.append(next((k for k in together if k not in required), together[0]))
     for keyword in ("dependencies", "dependentRequired", "dependentSchemas"):
         deps = out.get(keyword)
         if not isinstance(deps, dict):
@@ -279,6 +273,20 @@ def absent_keys(node: dict) -> dict | bool:
     if extra_schemas:
         out["allOf"] = [*out.get("allOf", []), *extra_schemas]
     return out
+
+
+def _required_together(sub: Any) -> list[str]:
+    """The keys `sub` asks to be there all together (`required: [a, b]`, or `allOf` of such), if
+    that is all it asks; else []."""
+    if not isinstance(sub, dict):
+        return []
+    keys = set(sub) & KNOWN
+    if keys == {"required"} and isinstance(sub["required"], list) and all(isinstance(k, str) for k in sub["required"]):
+        return list(sub["required"])
+    if keys == {"allOf"} and isinstance(sub["allOf"], list):
+        parts = [_required_together(p) for p in sub["allOf"]]
+        return [k for p in parts for k in p] if parts and all(parts) else []
+    return []
 
 
 # applicators whose subschemas constrain the same instance as the schema holding them: an object they
@@ -347,9 +355,9 @@ def strict_schema(
     `if` / `then` / `else` / `not`, the `anyOf` / `oneOf` branches of an object that declares keys
     itself, and the definitions those refer to (closing a part would forbid the keys the other
     parts declare, and a required one would make the schema unsatisfiable). `presence_cases`: an
-    `if` on a key's presence as the anyOf of its two cases (which can multiply a large object's
-    grammar past llguidance's limit). `root` and `path` (the
-    node's JSON pointer) let a rewrite keep `$ref`s into what it moves pointing right."""
+    `if` on a key's presence as the anyOf of its two cases (exact, but it can multiply a large
+    object's grammar past llguidance's limit), else as the case without the key (a subset).
+    `root` and `path` (the node's JSON pointer) let a rewrite keep `$ref`s into what it moves pointing right."""
     if root is None:
         root = node = ref_siblings(static_refs(node))
         _open = _open_refs(node) if close else set()
@@ -393,7 +401,14 @@ def strict_schema(
             ]
         elif k == "allOf" and isinstance(v, list):
             out[k] = [
-                strict_schema(x, close=False, root=root, path=f"{at}/{i}", presence_cases=presence_cases, _open=_open)
+                strict_schema(
+                    _without_own_properties(x, path),
+                    close=False,
+                    root=root,
+                    path=f"{at}/{i}",
+                    presence_cases=presence_cases,
+                    _open=_open,
+                )
                 for i, x in enumerate(v)
             ]
         elif k in SUBSCHEMA_MAPS and isinstance(v, dict):
@@ -422,6 +437,31 @@ def strict_schema(
         and not any(k in node for k in ("additionalProperties", "unevaluatedProperties", "patternProperties"))
     ):
         out["additionalProperties"] = False
+    return out
+
+
+def _without_own_properties(part: Any, path: str) -> Any:
+    """An `allOf` part of the object at `path` (with its `then` / `else` / `anyOf` / `oneOf` /
+    `allOf`: the same instance) without the `properties` that only point back at that object's own
+    (`$ref: <path>/properties/k`): a schema intersected with itself, which llguidance builds all the
+    same (dependabot's `then` doubled a large object past its limit that way), and which hides a
+    `oneOf` over `required` lists from `exclusive_required`."""
+    if not isinstance(part, dict):
+        return part
+    out = dict(part)
+    for k in ("then", "else"):
+        if isinstance(part.get(k), dict):
+            out[k] = _without_own_properties(part[k], path)
+    for k in ("anyOf", "oneOf", "allOf"):
+        if isinstance(part.get(k), list):
+            out[k] = [_without_own_properties(b, path) for b in part[k]]
+    props = part.get("properties")
+    if isinstance(props, dict):
+        kept = {k: v for k, v in props.items() if v != {"$ref": f"{path}/properties/{escape(k)}"}}
+        if kept:
+            out["properties"] = kept
+        else:
+            del out["properties"]
     return out
 
 

@@ -119,6 +119,26 @@ def test_guarded_documents_end_valid_within_max_tokens(backend, info, adversary,
     assert len(doc["s"]) <= 40 + 16  # the cap, plus at most one token's characters
 
 
+USES = {  # a GitHub workflow step's `uses`: the string cannot close before a `/` and an `@`
+    "type": "object",
+    "properties": {"uses": {"type": "string", "pattern": "^(.+\\/)+(.+)@.+$|^docker:\\/\\/.+$"}},
+    "required": ["uses"],
+}
+
+
+@pytest.mark.parametrize("steer", [True, False])
+def test_a_string_its_pattern_keeps_open_is_steered_to_a_match(backend, info, adversary, steer):
+    """Past the string cap the adversary writes anything but `/` and `@` would do; the guard
+    follows the pattern's shortest way to a match and closes the string (without it: never)."""
+    m = guard(backend, info, USES, JsonLimits(19, 40), 160)
+    if not steer:
+        m._patterns = ()
+    text, ended = walk(m, adversary, 160)
+    assert ended == steer, text
+    if steer:
+        jsonschema.validate(json.loads(text), USES)
+
+
 def test_a_long_close_starts_early_enough(backend, info, adversary):
     """Twenty required keys, each an array the adversary keeps filling: the shortest close (each
     key spelt a character a token, as the adversary does) is ~180 tokens, so the guard must
@@ -178,6 +198,7 @@ def test_the_close_follows_the_walk_not_the_model(backend, info, max_tokens, mon
     monkeypatch.setattr(json_guard, "SOFT_FACTOR", 1)  # the control: no early closing zone, and
     monkeypatch.setattr(json_guard, "SOFT_EXTRA", 0)
     m = guard(backend, info, schema, JsonLimits(19, 40), max_tokens)
+    m._bound = 0  # (no room kept for one more structure)
     m._path_failed = True  # closing tiers only, the model picks among them
     text, ended = slow_walk(m, info, max_tokens)
     assert ended == (backend.name == "llguidance")
@@ -236,3 +257,21 @@ def test_only_json_grammars_are_guarded(backend, info):
     inner = backend.compile(spec).matcher()
     assert guarded(inner, spec, info, JsonLimits(), 10) is inner
     assert guard_tables(info) is guard_tables(info)  # built once per tokenizer
+
+
+@pytest.mark.parametrize("max_tokens", [150, 237, 400])
+def test_no_new_item_that_cannot_fit_on_either_backend(backend, info, adversary, max_tokens):
+    """dependabot's shape: `updates` needs an item of required keys. The soft zone holds room for
+    the schema's own shortest document, so an item the estimate does not see yet (it is not open)
+    is not opened just outside the zone, even where a key is spelt a character a token."""
+    keys = [f"a_longer_key_{i}" for i in range(4)]
+    item = {"type": "object", "properties": {k: {"type": "integer"} for k in keys}, "required": keys}
+    schema = {
+        "type": "object",
+        "properties": {"updates": {"type": "array", "items": item, "minItems": 1}},
+        "required": ["updates"],
+    }
+    m = guard(backend, info, schema, JsonLimits(19, 40), max_tokens)
+    text, ended = walk(m, adversary, max_tokens)
+    assert ended, text[-200:]
+    jsonschema.validate(json.loads(text), schema)

@@ -12,7 +12,8 @@ import jsonschema
 import pytest
 
 from plait.grammar import GrammarSpec, make_backend
-from plait.grammar.schema_keywords import ref_siblings, static_refs
+from plait.grammar.schema_keywords import plain_conditional, ref_siblings, static_refs
+from plait.grammar.schema_rewrite import strict_schema
 
 BASE = {  # "extend a base type": $ref beside the node's own keywords
     "$defs": {"base": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}},
@@ -123,6 +124,45 @@ CASES = [  # (what, schema, valid documents, invalid documents)
     ),
     ("a count written 2.0", {"type": "array", "items": {"type": "integer"}, "minItems": 2.0}, [[1, 2]], [[1]]),
     ("$ref beside keywords", BASE, [{"name": "n", "id": 1}], [{"id": 1}, {"name": "n"}]),
+    (
+        "propertyNames: type and pattern",
+        {"type": "object", "propertyNames": {"type": "string", "pattern": "^[a-z]+$"}},
+        [{"ab": 1}],
+        [{"Ab": 1}],
+    ),
+    (  # (circle-ci's step names)
+        "propertyNames: a pattern but not some names",
+        {"type": "object", "propertyNames": {"pattern": "^[a-z]+$", "not": {"pattern": "^(when|unless)$"}}},
+        [{"run": 1}],
+        [{"when": 1}, {"Run": 1}],
+    ),
+    (  # (a subset: strings without the '<' every match starts with)
+        "not: {pattern}",
+        {"type": "object", "properties": {"f": {"type": "string", "not": {"pattern": "<<.*>>"}}}},
+        [{"f": "main"}],
+        [{"f": "<< x >>"}],
+    ),
+    (
+        "not: {allOf of required}",
+        {
+            "type": "object",
+            "properties": {"when": {}, "unless": {}},
+            "not": {"allOf": [{"required": ["when"]}, {"required": ["unless"]}]},
+        },
+        [{"unless": 1}, {}],
+        [{"when": 1, "unless": 2}],
+    ),
+    (  # (llguidance refuses a circular $ref beside any other key, annotations too)
+        "a circular $ref beside annotations",
+        {
+            "definitions": {
+                "node": {"type": "object", "properties": {"next": {"$ref": "#/definitions/node", "description": "x"}}}
+            },
+            "$ref": "#/definitions/node",
+        },
+        [{"next": {"next": {}}}],
+        [{"next": 1}],
+    ),
 ]
 
 
@@ -163,3 +203,71 @@ def test_a_reference_to_an_enclosing_schema_keeps_its_siblings():
     """llguidance refuses a circular `$ref` inside an `allOf`: such a one stays beside its keywords."""
     schema = {"definitions": {"x": {"$ref": "#", "allOf": [{"properties": {"a": {}}}]}}, "properties": {}}
     assert ref_siblings(schema) == schema
+
+
+def test_a_presence_condition_too_large_to_double_keeps_the_case_without_the_key():
+    """Where the anyOf of an `if`'s two cases is past llguidance's size limit, the case without the
+    key: a subset of the valid documents (the node's required key keeps the other case)."""
+    node = {"type": "object", "if": {"not": {"required": ["m"]}}, "then": {"required": ["s"]}}
+    check = jsonschema.Draft202012Validator(plain_conditional(node, presence=False))
+    assert check.is_valid({"s": 1}) and not any(map(check.is_valid, [{"m": 1}, {}, {"m": 1, "s": 2}]))
+    node = {"required": ["m"], "if": {"required": ["m"]}, "then": {"required": ["s"]}}
+    check = jsonschema.Draft202012Validator(plain_conditional(node, presence=False))
+    assert check.is_valid({"m": 1, "s": 2}) and not check.is_valid({"m": 1})
+
+
+def test_an_allof_part_does_not_repeat_the_objects_own_property():
+    """dependabot's `then` names the object's own `schedule` by $ref: llguidance would intersect that
+    schema with itself (which put dependabot past its size limit); the part keeps its `required`."""
+    schema = {
+        "definitions": {
+            "update": {
+                "type": "object",
+                "properties": {"schedule": {"type": "object"}, "group": {}},
+                "allOf": [
+                    {
+                        "if": {"not": {"required": ["group"]}},
+                        "then": {
+                            "properties": {"schedule": {"$ref": "#/definitions/update/properties/schedule"}},
+                            "required": ["schedule"],
+                        },
+                    }
+                ],
+            }
+        },
+        "$ref": "#/definitions/update",
+    }
+    update = schema["definitions"]["update"]
+    update["allOf"].append(  # (its `directory` / `directories` oneOf: exclusive once the refs are gone)
+        {
+            "oneOf": [
+                {"properties": {k: {"$ref": f"#/definitions/update/properties/{k}"}}, "required": [k]} for k in "ab"
+            ]
+        }
+    )
+    update["properties"].update(a={}, b={})
+    parts = strict_schema(schema, presence_cases=False)["definitions"]["update"]["allOf"]
+    assert parts[0] == {"properties": {"group": False}, "required": ["schedule"]}
+    assert parts[1]["anyOf"] == [
+        {"type": "object", "required": ["a"], "properties": {"b": False}},
+        {"type": "object", "required": ["b"], "properties": {"a": False}},
+    ]
+
+
+def test_lenient_mode_keeps_both_branches_of_a_dropped_conditional(backend):
+    """github-actions' `outputs` takes one schema or another by a nested value: llguidance cannot
+    enforce that `if`, and its lenient mode would leave `outputs` free (the model wrote
+    `"outputs": 1`); it holds under one branch or the other instead (a superset, output-checked)."""
+    llg, tok = backend
+    schema = {
+        "type": "object",
+        "properties": {"runs": {"type": "object", "properties": {"using": {"type": "string"}}}, "outputs": {}},
+        "if": {"properties": {"runs": {"properties": {"using": {"const": "composite"}}}}},
+        "then": {"properties": {"outputs": {"type": "object"}}},
+        "else": {"properties": {"outputs": {"type": "array"}}},
+    }
+    grammar = llg.compile(GrammarSpec.from_json_schema(json.dumps(schema)))
+    assert grammar.approximate
+    assert _takes(grammar, tok, {"runs": {"using": "composite"}, "outputs": {}})
+    assert _takes(grammar, tok, {"runs": {"using": "docker"}, "outputs": []})
+    assert not _takes(grammar, tok, {"runs": {"using": "docker"}, "outputs": 1})
