@@ -13,7 +13,7 @@ at --concurrency. Each answer is one of:
 with completion tokens per document. Then throughput, constrained vs free, at concurrency 1 and 32:
 the first corpus schemas greedy, then the same prompts unconstrained with `ignore_eos` and exactly
 the tokens each constrained answer took (tokens/s over the batch; the ratio is the cost of the
-grammar).
+grammar), `--throughput-rounds` such pairs back to back, the median ratio reported.
 
     plait bench structured --backend auto --json out.json
     plait bench structured --backend auto --backend xgrammar --limit 50 --no-throughput
@@ -118,8 +118,10 @@ async def run_schemas(base: str, schemas, args) -> list[dict]:
         return await asyncio.gather(*(one(client, i, item) for i, item in enumerate(schemas)))
 
 
-async def throughput(base: str, schemas, concurrency: int, n: int) -> dict:
-    """Output tokens/s, constrained then free with the same token counts, over n requests."""
+async def throughput(base: str, schemas, concurrency: int, n: int, rounds: int = 1) -> dict:
+    """Output tokens/s, constrained then free with the same token counts, over n requests; `rounds`
+    such pairs back to back, the medians reported (a pair shares the host's load of the moment: on
+    a shared 2-core host single runs of either drifted by a quarter)."""
     import httpx
 
     items = schemas[:n]
@@ -148,17 +150,21 @@ async def throughput(base: str, schemas, concurrency: int, n: int) -> dict:
             for it in items
         ]
         await batch(client, constrained[:2])  # warm: grammars compiled, caches hot
-        dt_c, toks = await batch(client, constrained)
-        free = [body(it, max_tokens=max(t, 1), ignore_eos=True) for it, t in zip(items, toks)]
-        dt_f, toks_f = await batch(client, free)
-    rate_c, rate_f = sum(toks) / dt_c, sum(toks_f) / dt_f
+        pairs = []
+        for _ in range(max(1, rounds)):
+            dt_c, toks = await batch(client, constrained)
+            free = [body(it, max_tokens=max(t, 1), ignore_eos=True) for it, t in zip(items, toks)]
+            dt_f, toks_f = await batch(client, free)
+            pairs.append((sum(toks) / dt_c, sum(toks_f) / dt_f))
+    ratios = [c / f for c, f in pairs if f]
     return {
         "concurrency": concurrency,
         "requests": len(items),
         "tokens": sum(toks),
-        "constrained_tok_s": round(rate_c, 1),
-        "free_tok_s": round(rate_f, 1),
-        "ratio": round(rate_c / rate_f, 3) if rate_f else None,
+        "constrained_tok_s": round(statistics.median(c for c, _ in pairs), 1),
+        "free_tok_s": round(statistics.median(f for _, f in pairs), 1),
+        "ratio": round(statistics.median(ratios), 3) if ratios else None,
+        "ratios": [round(r, 3) for r in ratios],
     }
 
 
@@ -197,7 +203,8 @@ def print_report(name: str, summary: dict, rows: list[dict], tput: list[dict]) -
     for t in tput:
         print(
             f"  throughput c={t['concurrency']:<3} {t['requests']} requests, {t['tokens']} tokens: constrained "
-            f"{t['constrained_tok_s']} tok/s, free {t['free_tok_s']} tok/s, ratio {t['ratio']}"
+            f"{t['constrained_tok_s']} tok/s, free {t['free_tok_s']} tok/s, ratio {t['ratio']} "
+            f"(median of {t['ratios']})"
         )
 
 
@@ -215,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-throughput", action="store_true")
     ap.add_argument("--throughput-requests", type=int, default=32, help="at concurrency 32 (a quarter at 1)")
+    ap.add_argument("--throughput-rounds", type=int, default=3, help="constrained / free pairs; medians reported")
     ap.add_argument("--launch-timeout", type=float, default=300.0)
     ap.add_argument("--json", dest="json_out", default=None)
     args = ap.parse_args(argv)
@@ -236,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                 []
                 if args.no_throughput
                 else [
-                    asyncio.run(throughput(base, corpus_items, c, min(n, len(corpus_items))))
+                    asyncio.run(throughput(base, corpus_items, c, min(n, len(corpus_items)), args.throughput_rounds))
                     for c, n in ((1, max(1, args.throughput_requests // 4)), (32, args.throughput_requests))
                 ]
             )

@@ -414,4 +414,5 @@ def test_structured_through_a_server(tiny_model_dirs, tmp_path, capsys):
     res = json.loads(out.read_text())["results"][0]
     assert res["summary"]["all"]["schemas"] == 3 and res["summary"]["all"]["invalid"] == 0
     assert [t["concurrency"] for t in res["throughput"]] == [1, 32]
+    assert all(len(t["ratios"]) == 3 and t["ratio"] == sorted(t["ratios"])[1] for t in res["throughput"])
     assert "backend auto" in capsys.readouterr().out
