@@ -55,6 +55,8 @@ CLOSING_MARGIN = 2  # tokens kept beyond the estimate, plus a quarter of it: the
 CLOSING_SHARE = 4  # deepen the document (open a nested object) between two estimates
 SOFT_FACTOR = 2  # within this many times the estimate (plus SOFT_EXTRA) of the end, the
 SOFT_EXTRA = 16  # closing choices are preferred: nothing new is opened that may not fit
+ROOM_CAP = 128  # the soft zone's room for one more repeated part, at most (a cycle counts as unbounded)
+REPEAT_NODES = 5000  # schema nodes `repeat_bound` reads, at most
 _CLOSERS = frozenset(b"}] \n\t")
 _WS = frozenset(b" \n\t\r")
 _SHORT_VALUES = frozenset({b"0", b'""', b"[]", b"{}", b"null", b"true", b"false"})
@@ -163,6 +165,22 @@ def close_bound(schema: Any, root: Any = None, depth: int = 0) -> int:
     if isinstance(schema.get("minLength"), int):
         best += schema["minLength"]
     return best + 2
+
+
+def repeat_bound(schema: Any) -> int:
+    """A generous estimate of the tokens one more repeated part of a document takes: the largest
+    `close_bound` of an array's `items` or an object's `additionalProperties` value (with its key)."""
+    best, stack, seen = 0, [schema], 0
+    while stack and seen < REPEAT_NODES:
+        node, seen = stack.pop(), seen + 1
+        if isinstance(node, dict):
+            for k in ("items", "additionalProperties"):
+                if isinstance(node.get(k), dict):
+                    best = max(best, close_bound(node[k], schema) + 4)
+            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend(node)
+    return best
 
 
 def schema_string_bound(schema: Any) -> int:
@@ -280,8 +298,9 @@ class JsonGuard(Matcher):
         self._scratch = np.empty(tables.quote.shape, dtype=np.int32)
         self._probe = torch.empty(1, tables.quote.shape[0], dtype=torch.int32)
         # tokens left at the first estimate: soon enough for the schema's close, with room to spare
-        self._bound = close_bound(schema) if schema is not None else 0
-        self._probe_at = min(max_tokens, PROBE_FLOOR + 2 * self._bound)
+        bound = close_bound(schema) if schema is not None else 0
+        self._probe_at = min(max_tokens, PROBE_FLOOR + 2 * bound)
+        self._room = min(max(bound, repeat_bound(schema)), ROOM_CAP) if schema is not None else 0
         self._need = 0  # the last estimate of the shortest close
         self._closing_now = False
         self._soft = False  # within twice the estimate: closing choices preferred
@@ -322,10 +341,10 @@ class JsonGuard(Matcher):
         return self._closing_now
 
     def _soft_zone(self) -> int:
-        """Tokens before the end where closing choices are preferred (at most the last half): the
-        schema's own shortest document on top, as room for one more of what it holds (an array
-        item opened just outside the zone took more than was left: dependabot's `updates`)."""
-        return min(SOFT_FACTOR * self._need + SOFT_EXTRA + self._bound, self.max_tokens // 2)
+        """Tokens before the end where closing choices are preferred (at most the last half), with
+        room for one more of what the schema repeats: an array item opened just outside the zone,
+        before any estimate saw it, took more than was left (dependabot's `updates`)."""
+        return min(SOFT_FACTOR * self._need + SOFT_EXTRA + self._room, self.max_tokens // 2)
 
     def _margin(self) -> int:
         return CLOSING_MARGIN + self._need // CLOSING_SHARE

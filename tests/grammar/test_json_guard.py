@@ -198,7 +198,7 @@ def test_the_close_follows_the_walk_not_the_model(backend, info, max_tokens, mon
     monkeypatch.setattr(json_guard, "SOFT_FACTOR", 1)  # the control: no early closing zone, and
     monkeypatch.setattr(json_guard, "SOFT_EXTRA", 0)
     m = guard(backend, info, schema, JsonLimits(19, 40), max_tokens)
-    m._bound = 0  # (no room kept for one more structure)
+    m._room = 0  # (no room kept for one more structure)
     m._path_failed = True  # closing tiers only, the model picks among them
     text, ended = slow_walk(m, info, max_tokens)
     assert ended == (backend.name == "llguidance")
@@ -261,14 +261,15 @@ def test_only_json_grammars_are_guarded(backend, info):
 
 @pytest.mark.parametrize("max_tokens", [150, 237, 400])
 def test_no_new_item_that_cannot_fit_on_either_backend(backend, info, adversary, max_tokens):
-    """dependabot's shape: `updates` needs an item of required keys. The soft zone holds room for
-    the schema's own shortest document, so an item the estimate does not see yet (it is not open)
-    is not opened just outside the zone, even where a key is spelt a character a token."""
+    """An array of items of required keys (dependabot's `updates`, a GitHub schema's list of
+    missions): the soft zone keeps room for one more item, so an item the estimate does not see
+    yet (it is not open) is not opened just outside the zone, even where a key is spelt a
+    character a token."""
     keys = [f"a_longer_key_{i}" for i in range(4)]
     item = {"type": "object", "properties": {k: {"type": "integer"} for k in keys}, "required": keys}
     schema = {
         "type": "object",
-        "properties": {"updates": {"type": "array", "items": item, "minItems": 1}},
+        "properties": {"updates": {"type": "array", "items": item}},
         "required": ["updates"],
     }
     m = guard(backend, info, schema, JsonLimits(19, 40), max_tokens)
