@@ -300,6 +300,40 @@ def _branch_union(node: dict) -> dict:
     return {**{k: v for k, v in node.items() if k not in ("if", "then", "else")}, "properties": props}
 
 
+# keywords that constrain one type of instance only (every other instance meets them)
+_TYPED = {
+    "array": frozenset(
+        "items prefixItems additionalItems contains minContains maxContains minItems maxItems uniqueItems "
+        "unevaluatedItems".split()
+    ),
+    "object": frozenset(
+        "properties required additionalProperties patternProperties propertyNames minProperties maxProperties "
+        "dependentRequired dependentSchemas dependencies unevaluatedProperties".split()
+    ),
+    "string": frozenset("minLength maxLength pattern".split()),
+    "number": frozenset("minimum maximum exclusiveMinimum exclusiveMaximum multipleOf".split()),
+}
+
+
+def one_of_type(node: dict) -> dict:
+    """A `oneOf` whose branches (two or more) only hold keywords of one type T: an instance of any
+    other type meets every branch, so the `oneOf` fails for it: the node's `type` as T (exact).
+    Test-suite schemas leave out `type`, and a model then wrote an object for an array's `oneOf`."""
+    branches = node.get("oneOf")
+    if not (isinstance(branches, list) and len(branches) >= 2 and all(isinstance(b, dict) for b in branches)):
+        return node
+    kinds = {next((t for t, keys in _TYPED.items() if set(b) & KNOWN <= keys), None) for b in branches}
+    if len(kinds) != 1 or None in kinds or any(not set(b) & KNOWN for b in branches):
+        return node
+    (kind,) = kinds
+    have = node.get("type", list(_TYPES))
+    have = [have] if isinstance(have, str) else have
+    if kind not in have and not (kind == "number" and "integer" in have):
+        return node  # (nothing is valid: left for the backend to say)
+    keep = [t for t in have if t == kind or (kind == "number" and t == "integer")]
+    return {**node, "type": keep[0] if len(keep) == 1 else keep}
+
+
 def integral_counts(node: dict) -> dict:
     """Counts written as integral floats (`"minItems": 2.0`, valid JSON Schema) as integers, which
     llguidance requires."""

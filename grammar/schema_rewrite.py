@@ -12,6 +12,7 @@ from .schema_keywords import (
     SUBSCHEMA_MAPS,
     escape,
     integral_counts,
+    one_of_type,
     plain_conditional,
     plain_not,
     property_names,
@@ -381,7 +382,7 @@ def strict_schema(
     node = property_names(node)
     if node is False:
         return False
-    node = unevaluated_properties(node, root)
+    node = one_of_type(unevaluated_properties(node, root))
     out = {}
     partial = _partial_branches(node)
     for k, v in node.items():

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from plait.grammar import GrammarSpec, make_backend
-from plait.grammar.schema_keywords import plain_conditional, ref_siblings, static_refs
+from plait.grammar.schema_keywords import one_of_type, plain_conditional, ref_siblings, static_refs
 from plait.grammar.schema_rewrite import strict_schema
 
 BASE = {  # "extend a base type": $ref beside the node's own keywords
@@ -271,3 +271,16 @@ def test_lenient_mode_keeps_both_branches_of_a_dropped_conditional(backend):
     assert _takes(grammar, tok, {"runs": {"using": "composite"}, "outputs": {}})
     assert _takes(grammar, tok, {"runs": {"using": "docker"}, "outputs": []})
     assert not _takes(grammar, tok, {"runs": {"using": "docker"}, "outputs": 1})
+
+
+def test_a_oneof_over_one_types_keywords_takes_that_type_only(backend):
+    """Branches with array keywords only: an object meets both, so `oneOf` refuses it (the model
+    wrote `{",": 2}` for a test-suite schema with no `type`); the grammar holds arrays alone."""
+    llg, tok = backend
+    schema = {"prefixItems": [{"const": "foo"}], "oneOf": [{"prefixItems": [True, {"const": "bar"}]}, {"maxItems": 1}]}
+    check = jsonschema.Draft202012Validator(schema)
+    assert not check.is_valid({",": 2}) and check.is_valid(["foo", "bar"])
+    grammar = llg.compile(GrammarSpec.from_json_schema(json.dumps(schema)))
+    assert _takes(grammar, tok, ["foo", "bar"])
+    assert not _takes(grammar, tok, {",": 2}) and not _takes(grammar, tok, "x")
+    assert one_of_type({"oneOf": [{"minimum": 1}, {"minLength": 1}]}) == {"oneOf": [{"minimum": 1}, {"minLength": 1}]}
