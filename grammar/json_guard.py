@@ -33,6 +33,7 @@ backend's business; the guard only chooses among what the backend allows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -274,11 +275,34 @@ def guard_tables(info: "TokenizerInfo") -> GuardTables:
     return info.backend_state("json_guard", lambda: GuardTables(info))
 
 
+class SchemaProfile(NamedTuple):
+    """What the guard reads from a schema, once per schema (a large one takes milliseconds)."""
+
+    string_bound: int = 0  # the largest maxLength / minLength
+    close: int = 0  # close_bound: the first estimate's timing
+    room: int = 0  # the soft zone's room for one more repeated part
+    patterns: tuple[str, ...] = ()
+
+
+@functools.lru_cache(maxsize=256)
+def schema_profile(schema_text: str) -> SchemaProfile:
+    """The `SchemaProfile` of a JSON schema's text (cached: requests repeat their schemas)."""
+    schema = json.loads(schema_text)
+    bound = close_bound(schema)
+    room = min(max(bound, repeat_bound(schema)), ROOM_CAP)
+    return SchemaProfile(schema_string_bound(schema), bound, room, schema_patterns(schema))
+
+
 class JsonGuard(Matcher):
     """A JSON grammar's matcher with the length guards on its mask (see the module docstring)."""
 
     def __init__(
-        self, inner: Matcher, tables: GuardTables, limits: JsonLimits, max_tokens: int, schema: Any = None
+        self,
+        inner: Matcher,
+        tables: GuardTables,
+        limits: JsonLimits,
+        max_tokens: int,
+        profile: SchemaProfile | None = None,
     ) -> None:
         self.inner = inner
         self.tables = tables
@@ -288,19 +312,17 @@ class JsonGuard(Matcher):
             if limits.max_number_digits > 0
             else None
         )
-        self.string_cap = (
-            max(limits.max_string_length, schema_string_bound(schema)) if limits.max_string_length > 0 else 0
-        )
+        profile = profile or SchemaProfile()
+        self.string_cap = max(limits.max_string_length, profile.string_bound) if limits.max_string_length > 0 else 0
         self.state = _State()
         self._written = b""  # the open string's bytes so far
-        self._patterns = schema_patterns(schema) if schema is not None else ()
+        self._patterns = profile.patterns
         self._history: list[tuple] = []  # per accepted token: what rollback restores (_saved)
         self._scratch = np.empty(tables.quote.shape, dtype=np.int32)
         self._probe = torch.empty(1, tables.quote.shape[0], dtype=torch.int32)
         # tokens left at the first estimate: soon enough for the schema's close, with room to spare
-        bound = close_bound(schema) if schema is not None else 0
-        self._probe_at = min(max_tokens, PROBE_FLOOR + 2 * bound)
-        self._room = min(max(bound, repeat_bound(schema)), ROOM_CAP) if schema is not None else 0
+        self._probe_at = min(max_tokens, PROBE_FLOOR + 2 * profile.close)
+        self._room = profile.room
         self._need = 0  # the last estimate of the shortest close
         self._closing_now = False
         self._soft = False  # within twice the estimate: closing choices preferred
@@ -495,5 +517,5 @@ def guarded(matcher: Matcher, spec, info: "TokenizerInfo", limits: JsonLimits, m
     """`matcher` with the JSON guards when `spec` is a JSON grammar (the matcher itself otherwise)."""
     if spec.kind not in ("json_schema", "json_object"):
         return matcher
-    schema = spec.schema() if spec.kind == "json_schema" else None
-    return JsonGuard(matcher, guard_tables(info), limits, max_tokens, schema)
+    profile = schema_profile(spec.spec) if spec.kind == "json_schema" else None
+    return JsonGuard(matcher, guard_tables(info), limits, max_tokens, profile)
