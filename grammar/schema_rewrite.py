@@ -43,7 +43,19 @@ _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 _ANNOTATIONS = ("title", "description", "$comment")
 
 
-def exclusive_required(branches: list) -> list | None:
+def _only_required(branch: Any, root: Any) -> Any:
+    """A branch as its `required` part where the rest says nothing: a `$ref` followed, `properties`
+    that allow anything (`{"x": true}`) left out."""
+    if isinstance(branch, dict) and set(branch) == {"$ref"} and isinstance(branch["$ref"], str) and root is not None:
+        branch = resolve_local_ref(root, branch["$ref"])
+    if not isinstance(branch, dict) or not isinstance(branch.get("properties"), dict):
+        return branch
+    if any(v is not True and v != {} for v in branch["properties"].values()):
+        return branch
+    return {k: v for k, v in branch.items() if k != "properties"}
+
+
+def exclusive_required(branches: list, root: Any = None) -> list | None:
     """`oneOf` branches that differ only by `required` keys ("give either these or those", common in
     real schemas) as `anyOf` branches that cannot both hold: each an object (a non-object meets every
     `required` at once) that leaves out the keys the others require beyond its own. Exact where each
@@ -51,7 +63,7 @@ def exclusive_required(branches: list) -> list | None:
     branch whose keys include another's can never be the only one to hold and is dropped. None if
     the branches are not of this form."""
     keys = []
-    for b in branches:
+    for b in (_only_required(b, root) for b in branches):
         if not (
             isinstance(b, dict)
             and isinstance(b.get("required"), list)
@@ -391,7 +403,7 @@ def strict_schema(
         sub_close = close and k not in _SAME_INSTANCE and not (k in ("anyOf", "oneOf") and partial)
         if k in _SUBSCHEMA:
             out[k] = strict_schema(v, close=sub_close, root=root, path=at, presence_cases=presence_cases, _open=_open)
-        elif k == "oneOf" and "anyOf" not in node and isinstance(v, list) and (ex := exclusive_required(v)):
+        elif k == "oneOf" and "anyOf" not in node and isinstance(v, list) and (ex := exclusive_required(v, root)):
             out["anyOf"] = ex
         elif k in _SUBSCHEMA_LISTS and isinstance(v, list):
             out[k] = [

@@ -518,6 +518,16 @@ def test_one_of_over_required_keys_is_enforced_exactly(tokenizer):
         accepted = [d for d in docs + [1, "x"] if jsonschema.Draft202012Validator(any_of).is_valid(d)]
         assert accepted and all(jsonschema.Draft202012Validator(one_of).is_valid(d) for d in accepted)
     assert exclusive_required([{"required": ["a"]}, {"type": "string"}]) is None
+    # (a $ref followed, properties that allow anything left aside: the test suite's form)
+    root = {"$defs": {"two": {"required": ["x"], "properties": {"x": True}}}}
+    branches = [{"$ref": "#/$defs/two"}, {"required": ["y"], "properties": {"y": True}}]
+    assert exclusive_required(branches, root) == [
+        {"type": "object", "required": ["x"], "properties": {"y": False}},
+        {"type": "object", "required": ["y"], "properties": {"x": False}},
+    ]
+    assert (
+        exclusive_required([{"required": ["y"], "properties": {"y": {"type": "string"}}}, {"required": ["z"]}]) is None
+    )
     schema = {
         "type": "object",
         "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
