@@ -37,7 +37,8 @@ def require_schema(schema: Any, where: str) -> None:
     try:
         validators.validator_for(schema).check_schema(schema)
     except exceptions.SchemaError as e:
-        raise ApiError(400, f"{where} is not a valid JSON schema: {e.message}") from None
+        at = "/".join(map(str, e.path))  # (ends with the keyword: `.../pattern`)
+        raise ApiError(400, f"{where} is not a valid JSON schema: at '{at}': {e.message}") from None
     if (ref := remote_ref(schema)) is not None:
         raise ApiError(
             400,

@@ -275,6 +275,17 @@ def assert_call(call, names=PARAMS) -> None:
     jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
 
 
+def test_a_malformed_schema_is_refused_naming_the_keyword():
+    """A pattern Python's `re` cannot read (`\\p{...}`, an ECMA-262 class): the 400 says where."""
+    from plait.runtime.server.http_common import ApiError
+    from plait.runtime.server.openai_fields import require_schema
+
+    schema = {"type": "object", "properties": {"v": {"type": "string", "pattern": "^[^\\p{Cc}]+$"}}}
+    with pytest.raises(ApiError, match="at 'properties/v/pattern'") as e:
+        require_schema(schema, "response_format.json_schema.schema")
+    assert e.value.status == 400
+
+
 def test_a_remote_ref_is_refused_by_name():
     """A $ref into another document cannot be followed by a grammar or checked by a validator: 400."""
     from plait.runtime.server.http_common import ApiError
