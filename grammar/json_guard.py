@@ -12,16 +12,19 @@ backend's business; the guard only chooses among what the backend allows.
 - numbers: an integer part of at most `max_number_digits` digits (19 fit an int64), a fraction
   of at most min(that, 17) (a float64's precision), an exponent of at most 3 (its range);
 - strings: at most `max_string_length` characters (raised to the schema's largest `maxLength` or
-  `minLength`), after which only tokens that close the string are allowed;
+  `minLength`), after which only tokens that close the string are allowed; where the string's
+  `pattern` does not match yet (no closing token is allowed), the shortest way to a match of one of
+  the schema's patterns is written instead, then the quote (string_patterns.py);
 - closing: before the end (64 tokens plus twice an estimate from the schema's required keys, or
   at once) the guard walks the grammar ahead of the model with the
   cheapest choices (close the string, stop the number, close a bracket, the shortest value; among
   those the longest token, so the fewest steps; rolled back after) to estimate the shortest way to
   finish the document: a walk as long as that close, a few steps for a small schema, hundreds
   where many keys are required and closing must start early. It walks again each time the slack
-  beyond the estimate has halved. Within twice the estimate (at most the last half of max_tokens)
-  the closing choices are preferred (the model closes what it has open instead of opening, say,
-  an array item with many required keys that no longer fits). Once the tokens left come within a margin of it (CLOSING_MARGIN
+  beyond the estimate has halved. Within twice the estimate, plus room for one more of what the
+  schema repeats (an array item, a map value: `repeat_bound`), at most the last half of
+  max_tokens, the closing choices are preferred (the model closes what it has open instead of
+  opening, say, an array item with many required keys that no longer fits). Once the tokens left come within a margin of it (CLOSING_MARGIN
   and a CLOSING_SHARE of the estimate, as the model may deepen the document meanwhile), the
   document ends along that walk, token by token: the model's own closing choices can take longer
   (`" "` for `""`, an optional key), and a document that fitted would be cut. So a document that
