@@ -125,6 +125,11 @@ def _scan(s: _State, data: bytes) -> _State:
     return _State(in_string, escape, str_len, in_number, part, run, depth)
 
 
+def _allows(r, token: int) -> bool:
+    """Whether packed mask row `r` (a tensor or its numpy view) allows `token`."""
+    return bool((int(r[token >> 5]) >> (token & 31)) & 1)
+
+
 def _only(r: "torch.Tensor", token: int) -> None:
     """Mask row `r` allowing `token` alone."""
     word, bit = divmod(token, 32)
@@ -410,7 +415,8 @@ class JsonGuard(Matcher):
                 if tok < len(self.tables.token_bytes):
                     data = self.tables.token_bytes[tok]
                     s, before = _scan(s, data), s
-                    written = _string_so_far(before, written, data, s)
+                    if self._patterns:
+                        written = _string_so_far(before, written, data, s)
             return limit + 1
         finally:
             self.inner.rollback(steps)
@@ -437,7 +443,7 @@ class JsonGuard(Matcher):
             target = tail.encode() + b'"'
             for n in range(len(target), 0, -1):
                 tok = self.tables.by_bytes.get(target[:n])
-                if tok is not None and (int(row[tok >> 5]) >> (tok & 31)) & 1:
+                if tok is not None and _allows(row, tok):
                     return tok
         return None
 
@@ -453,7 +459,8 @@ class JsonGuard(Matcher):
         if token_id < len(self.tables.token_bytes):
             data, before = self.tables.token_bytes[token_id], self.state
             self.state = _scan(before, data)
-            self._written = _string_so_far(before, self._written, data, self.state)
+            if self._patterns:  # (per token: only where a pattern may need the string's text)
+                self._written = _string_so_far(before, self._written, data, self.state)
         return True
 
     def fill_mask(self, bitmask: "torch.Tensor", row: int) -> None:
@@ -461,8 +468,7 @@ class JsonGuard(Matcher):
         closing = self._closing()
         if closing and not self.inner.can_end() and (forced := self._next_forced()) is not None:
             r = bitmask[row]
-            word, bit = divmod(forced, 32)
-            if (int(r[word]) >> bit) & 1:  # always, unless the grammar changed under the walk
+            if _allows(r, forced):  # always, unless the grammar changed under the walk
                 _only(r, forced)
                 return
         tiers = self._tiers(self.state, closing or self._soft)
