@@ -665,6 +665,34 @@ def test_argmax_rows_is_torch_argmax(rows, n):
     assert torch.equal(cpu_kernels.argmax_rows(x), x.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab,width", [(49152, 1536), (100, 3), (70, 4)])  # mask shorter / longer than V
+def test_bitmask_fill_is_the_grammar_mask(dtype, vocab, width):
+    """-inf exactly where the packed mask's bit is 0 (and past the mask), on the chosen logits rows
+    only, the other values untouched: what `apply_token_bitmask_` gives those rows. Words at all
+    ones, at zero and mixed, bit 31 included."""
+    from plait.grammar import apply_token_bitmask_
+
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=g).to(dtype)
+    mask = torch.randint(-(2**31), 2**31 - 1, (3, width), generator=g, dtype=torch.int64).to(torch.int32)
+    mask[0, :] = -1  # everything allowed
+    mask[1, 1::2] = 0
+    mask[2, 0] = -(2**31)  # bit 31 alone
+    rows = torch.tensor([4, 0, 2])
+    want = logits.clone()
+    for j, r in enumerate(rows.tolist()):
+        apply_token_bitmask_(want[r : r + 1], mask[j : j + 1])
+    got = logits.clone()
+    assert cpu_kernels.bitmask_fill_(got, mask, rows)
+    assert torch.equal(got, want)
+    assert torch.equal(got[[1, 3]], logits[[1, 3]])
+    if vocab > width * 32:
+        assert bool((got[rows, width * 32 :] == float("-inf")).all())
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_kernels.bitmask_fill_(got, mask, torch.tensor([0, 1, 5]))
+
+
 def test_mirror_steady_appends_or_changes_nothing():
     """The decode mirror's steady step: rows whose mirror equals the pool get their new token
     recorded at their mirror rows (here batch row 0 at mirror row 2, row 1 at row 0) and its K/V

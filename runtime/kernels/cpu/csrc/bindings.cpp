@@ -51,6 +51,7 @@ PLAIT_LIBRARY(PLAIT_NS, m) {
   m.def("int4_gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("int8g_gemv(Tensor x, Tensor w, Tensor? bias, bool widen=False) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("bitmask_fill_(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   m.def("mirror_steady_(Tensor(a!) ids, Tensor(b!) stamps, Tensor(c!) lens, Tensor slot_stamp, Tensor kv, Tensor pre, "
         "Tensor targets, int clock, int kv_heads) -> Tensor");
   m.def("has_int_gemv() -> bool");
@@ -99,5 +100,6 @@ PLAIT_LIBRARY_IMPL(PLAIT_NS, CPU, m) {
   m.impl("decode_layers_", &decode_layers_);
   m.impl("decode_step", &decode_step);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("bitmask_fill_", &bitmask_fill_);
   m.impl("mirror_steady_", &mirror_steady_);
 }

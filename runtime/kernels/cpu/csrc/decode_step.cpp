@@ -1,5 +1,5 @@
 // A steady decode step in one op: the decode mirror's book-keeping (mirror_steady_), greedy argmax
-// over the logits (argmax_rows), the decoder layers (decode_layers_) and the whole step from token ids
+// over the logits (argmax_rows), grammar masks on them (bitmask_fill_, scalar in every build), the decoder layers (decode_layers_) and the whole step from token ids
 // to logits (decode_step). argmax has an AVX-512 path (16 running maxima) and an AVX2 one (PLAIT_AVX2,
 // 8) before the scalar loop, which a -march=x86-64 build runs alone; mirror_steady_ is scalar in every
 // build. decode_layers_ and decode_step call the other files' kernels, each with its own ISA paths;
@@ -136,6 +136,55 @@ at::Tensor argmax_rows(const at::Tensor& x) {
     for (int64_t r = r0; r < r1; ++r) op[r] = argmax_row(xp + r * n, n);
   });
   return out;
+}
+
+// ---- grammar masks on the logits ------------------------------------------------------------------
+// logits[rows[j], t] = -inf where bit t & 31 of bitmask[j][t >> 5] is 0, and for every t past the
+// bitmask; the other logits untouched. A word at all ones (everything allowed) is skipped and one at
+// zero written as a run: a JSON grammar's mask allows a few tokens, a free row's all. The
+// torch path adds a gathered 0 / -inf table over the whole [rows, V] (two passes and a temporary).
+template <typename T> void bitmask_fill_row(T* x, const uint32_t* m, int64_t n, int64_t covered) {
+  const T ninf = static_cast<T>(-std::numeric_limits<float>::infinity());
+  for (int64_t base = 0; base < covered; base += 32) {
+    const uint32_t word = m[base >> 5];
+    if (word == 0xFFFFFFFFu) continue;
+    const int64_t lim = std::min<int64_t>(32, covered - base);
+    if (word == 0) {
+      std::fill(x + base, x + base + lim, ninf);
+      continue;
+    }
+    for (int64_t b = 0; b < lim; ++b)
+      if (!((word >> b) & 1u)) x[base + b] = ninf;
+  }
+  std::fill(x + covered, x + n, ninf);
+}
+
+void bitmask_fill_(at::Tensor logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  check_cpu(logits, "logits");
+  check_cpu(bitmask, "bitmask");
+  check_cpu(rows, "rows");
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() &&
+                  (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
+              "bitmask_fill_: logits must be contiguous float32 or bfloat16 [B, V]");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.is_contiguous() && bitmask.scalar_type() == at::kInt,
+              "bitmask_fill_: bitmask must be contiguous int32 [n, W]");
+  TORCH_CHECK(rows.dim() == 1 && rows.is_contiguous() && rows.scalar_type() == at::kLong &&
+                  rows.numel() == bitmask.size(0),
+              "bitmask_fill_: rows must be int64 [n], one per bitmask row");
+  const int64_t B = logits.size(0), n = logits.size(1), W = bitmask.size(1);
+  const int64_t covered = std::min<int64_t>(n, W * 32);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t j = 0; j < rows.numel(); ++j)
+    TORCH_CHECK(rp[j] >= 0 && rp[j] < B, "bitmask_fill_: row ", rp[j], " out of range for ", B, " logits rows");
+  const uint32_t* mp = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  at::parallel_for(0, rows.numel(), grain(n, 1 << 17), [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      if (logits.scalar_type() == at::kFloat)
+        bitmask_fill_row(logits.data_ptr<float>() + rp[j] * n, mp + j * W, n, covered);
+      else
+        bitmask_fill_row(logits.data_ptr<c10::BFloat16>() + rp[j] * n, mp + j * W, n, covered);
+    }
+  });
 }
 
 // ---- a whole decode step's decoder layers in one call ---------------------------------------------

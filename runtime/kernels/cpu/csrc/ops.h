@@ -48,6 +48,7 @@ at::Tensor mirror_steady_(at::Tensor ids, at::Tensor stamps, at::Tensor lens, co
                           const at::Tensor& kv, const at::Tensor& pre, const at::Tensor& targets, int64_t clock,
                           int64_t kv_heads);
 at::Tensor argmax_rows(const at::Tensor& x);
+void bitmask_fill_(at::Tensor logits, const at::Tensor& bitmask, const at::Tensor& rows);
 void decode_profile_(bool on);
 at::Tensor decode_profile();
 
