@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-throughput", action="store_true")
     ap.add_argument("--throughput-requests", type=int, default=32, help="at concurrency 32 (a quarter at 1)")
-    ap.add_argument("--throughput-rounds", type=int, default=3, help="constrained / free pairs; medians reported")
+    ap.add_argument("--throughput-rounds", type=int, default=5, help="constrained / free pairs; medians reported")
     ap.add_argument("--launch-timeout", type=float, default=300.0)
     ap.add_argument("--json", dest="json_out", default=None)
     args = ap.parse_args(argv)

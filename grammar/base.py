@@ -155,6 +155,43 @@ class Matcher(ABC):
     def num_accepted(self) -> int:
         """Tokens accepted so far (net of rollbacks)."""
 
+    def defer_mask(self, row: int, jobs: "MaskJobs") -> bool:
+        """`fill_masks`' first half: where this matcher's mask is computed natively together with
+        other rows' (llguidance's thread pool), add it to `jobs` for bitmask[row] and return True;
+        `finish_mask` then completes the row once the jobs ran. False (the default): `fill_mask`
+        fills the row instead."""
+        return False
+
+    def finish_mask(self, bitmask: "torch.Tensor", row: int) -> None:
+        """`fill_masks`' second half, after a True `defer_mask`: what `fill_mask` does to the row
+        after the native mask (a wrapper's narrowing); nothing by default."""
+
+
+class MaskJobs:
+    """Native mask computations collected by `Matcher.defer_mask`: per runner (a function that fills
+    the rows of many native matchers of one library at once), its (native matcher, row) pairs."""
+
+    def __init__(self) -> None:
+        self.by_runner: dict[Any, list[tuple[Any, int]]] = {}
+
+    def add(self, runner, native: Any, row: int) -> None:
+        self.by_runner.setdefault(runner, []).append((native, row))
+
+
+def fill_masks(matchers: Sequence[Matcher], bitmask: "torch.Tensor") -> None:
+    """bitmask[j] = matchers[j]'s mask, for every j: the rows a native library computes in
+    parallel (llguidance, GIL released) go to it in one call, the rest are filled one by one.
+    The same masks as `fill_mask` row by row, in a fraction of the time at a batch of many."""
+    jobs = MaskJobs()
+    deferred = [m.defer_mask(j, jobs) for j, m in enumerate(matchers)]
+    for runner, pairs in jobs.by_runner.items():
+        runner(pairs, bitmask)
+    for j, (m, d) in enumerate(zip(matchers, deferred)):
+        if d:
+            m.finish_mask(bitmask, j)
+        else:
+            m.fill_mask(bitmask, j)
+
 
 class Grammar(ABC):
     """A compiled grammar: immutable, shareable across requests and threads, cached by spec."""

@@ -17,8 +17,10 @@ backend's business; the guard only chooses among what the backend allows.
   the schema's patterns is written instead, then the quote (string_patterns.py);
 - closing: before the end (64 tokens plus twice an estimate from the schema's required keys, or
   at once) the guard walks the grammar ahead of the model with the
-  cheapest choices (close the string, stop the number, close a bracket, the shortest value; among
-  those the longest token, so the fewest steps; rolled back after) to estimate the shortest way to
+  cheapest choices (close the string, stop the number, close a bracket, the shortest value, at a
+  key the next required one; among those the longest token, so the fewest steps; where the grammar
+  forces text, such as a required key's name, its longest token, found without a mask; rolled back
+  after) to estimate the shortest way to
   finish the document: a walk as long as that close, a few steps for a small schema, hundreds
   where many keys are required and closing must start early. It walks again each time the slack
   beyond the estimate has halved. Within twice the estimate, plus room for one more of what the
@@ -61,6 +63,7 @@ SOFT_FACTOR = 2  # within this many times the estimate (plus SOFT_EXTRA) of the 
 SOFT_EXTRA = 16  # closing choices are preferred: nothing new is opened that may not fit
 ROOM_CAP = 128  # the soft zone's room for one more repeated part, at most (a cycle counts as unbounded)
 REPEAT_NODES = 5000  # schema nodes `repeat_bound` reads, at most
+REQUIRED_KEYS = 64  # required key names a closing walk tries at a key's start, at most
 _CLOSERS = frozenset(b"}] \n\t")
 _WS = frozenset(b" \n\t\r")
 _SHORT_VALUES = frozenset({b"0", b'""', b"[]", b"{}", b"null", b"true", b"false"})
@@ -242,6 +245,7 @@ class GuardTables:
         for e in info.eos_token_ids:
             quote[e] = string_end[e] = closer[e] = True
         self._lead = lead
+        self.max_token_bytes = int(length.max())
         self._shifts = torch.arange(32, dtype=torch.int64)
         self._length_np = length  # bytes per token (0: special tokens)
         self._shifts_np = np.arange(32, dtype=np.int32)
@@ -252,10 +256,11 @@ class GuardTables:
         self.opener = self._pack(opener)
         self._digits: dict[int, torch.Tensor] = {}
 
-    def _pack(self, allowed) -> "torch.Tensor":
+    def _pack(self, allowed) -> np.ndarray:
+        """A packed mask row (numpy int32: the guard's row ops run in numpy, see `longest`)."""
         bits = torch.from_numpy(allowed.reshape(-1, 32).astype("int64")) << self._shifts
         words = bits.sum(dim=1)
-        return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).numpy()
 
     def longest(self, row: "torch.Tensor") -> int:
         """The allowed token of packed mask row `row` with the most bytes (the lowest id among
@@ -271,7 +276,7 @@ class GuardTables:
         lengths = np.where(bits.ravel() != 0, self._length_np[ids], -1)
         return int(ids[lengths.argmax()])
 
-    def digits(self, room: int) -> "torch.Tensor":
+    def digits(self, room: int) -> np.ndarray:
         """Tokens that start with at most `room` digits."""
         m = self._digits.get(room)
         if m is None:
@@ -290,6 +295,7 @@ class SchemaProfile(NamedTuple):
     close: int = 0  # close_bound: the first estimate's timing
     room: int = 0  # the soft zone's room for one more repeated part
     patterns: tuple[str, ...] = ()
+    required: tuple[bytes, ...] = ()  # required key names, as written after a key's opening quote
 
 
 @functools.lru_cache(maxsize=256)
@@ -298,7 +304,25 @@ def schema_profile(schema_text: str) -> SchemaProfile:
     schema = json.loads(schema_text)
     bound = close_bound(schema)
     room = min(max(bound, repeat_bound(schema)), ROOM_CAP)
-    return SchemaProfile(schema_string_bound(schema), bound, room, schema_patterns(schema))
+    return SchemaProfile(schema_string_bound(schema), bound, room, schema_patterns(schema), required_keys(schema))
+
+
+def required_keys(schema: Any) -> tuple[bytes, ...]:
+    """The names of the schema's `required` lists (the first REQUIRED_KEYS, the root's first), each
+    as a document writes it after the key's opening quote: escaped, with the closing quote."""
+    found: dict[bytes, None] = {}
+    queue = [schema]
+    while queue and len(found) < REQUIRED_KEYS:
+        node = queue.pop(0)
+        if isinstance(node, dict):
+            if isinstance(node.get("required"), list):
+                for k in node["required"]:
+                    if isinstance(k, str):
+                        found.setdefault(json.dumps(k, ensure_ascii=False)[1:].encode(), None)
+            queue.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            queue.extend(node)
+    return tuple(found)[:REQUIRED_KEYS]
 
 
 class JsonGuard(Matcher):
@@ -325,32 +349,37 @@ class JsonGuard(Matcher):
         self.state = _State()
         self._written = b""  # the open string's bytes so far
         self._patterns = profile.patterns
+        self._required = profile.required
         self._history: list[tuple] = []  # per accepted token: what rollback restores (_saved)
         self._scratch = np.empty(tables.quote.shape, dtype=np.int32)
         self._probe = torch.empty(1, tables.quote.shape[0], dtype=torch.int32)
         # tokens left at the first estimate: soon enough for the schema's close, with room to spare
         self._probe_at = min(max_tokens, PROBE_FLOOR + 2 * profile.close)
         self._room = profile.room
-        self._need = 0  # the last estimate of the shortest close
+        self._need = 0  # the last estimate of the shortest close ...
+        self._walked_at = -1  # ... made with this many tokens left
         self._closing_now = False
         self._soft = False  # within twice the estimate: closing choices preferred
         self._path: tuple[int, ...] | None = None  # while closing: the walk's tokens ...
         self._step = 0  # ... and how many of them are written
         self._path_failed = False  # the walk found no close: closing tiers only
 
-    def _tiers(self, s: _State, closing: bool) -> list["torch.Tensor"]:
+    def _tiers(self, s: _State, closing: bool) -> list[np.ndarray]:
         """The masks to narrow to in state `s`, in order of preference; the first that leaves a
         token wins (none: the grammar's mask as it is)."""
         t = self.tables
         if s.in_string:
-            if closing or (self.string_cap and s.str_len >= self.string_cap):
-                return [t.string_end, t.quote]
-            return []
+            # (mid-escape a quote is the escaped character, not the close: `_toward_close` then)
+            return [t.string_end, t.quote] if self._ending(s, closing) and not s.escape else []
         if s.in_number:
             if closing:
                 return [t.closer, t.digits(0)]
             return [] if self.number_caps is None else [t.digits(max(0, self.number_caps[s.part] - s.run))]
         return [t.closer, t.value, t.opener] if closing else []
+
+    def _ending(self, s: _State, closing: bool) -> bool:
+        """Whether the open string should end now: closing, or past the string cap."""
+        return closing or bool(self.string_cap and s.str_len >= self.string_cap)
 
     def _closing(self) -> bool:
         """Whether the tokens left are down to the shortest close (plus the margin); sets `_soft`
@@ -359,15 +388,27 @@ class JsonGuard(Matcher):
         if self._closing_now:
             return True
         left = self.max_tokens - self.inner.num_accepted
-        if left <= self._probe_at:
-            self._need = self._shortest_close(limit=min(left, PROBE_STEPS))
+        # an estimate from tokens ago that says "close now" is walked again first: the document
+        # has usually come nearer its end meanwhile, and closing on the old figure cut it short
+        stale = left <= self._need + self._margin() and self._walked_at != left
+        path: list[int] | None = None
+        if left <= self._probe_at or stale:
+            path = []
+            self._need = self._shortest_close(limit=min(left, PROBE_STEPS), path=path)
+            self._walked_at = left
             soft = self._soft_zone()
-            # the next estimate when three quarters of the slack to the soft zone are spent (few
-            # walks while the end is far: each costs a mask a step of the close), inside it every
-            # few tokens
-            self._probe_at = left - max(PROBE_EVERY, (left - soft) * 3 // 4, self._need // 8 if left <= soft else 0)
+            # the next estimate when three quarters of the slack to the soft zone are spent, inside
+            # it when half the slack to the close is: few walks (each costs a mask a step of the
+            # close) while the model, held to the closing choices there, closes the document itself
+            gap = (left - self._need - self._margin()) // 2 if left <= soft else (left - soft) * 3 // 4
+            self._probe_at = left - max(PROBE_EVERY, gap)
         self._soft = left <= self._soft_zone()
         self._closing_now = left <= self._need + self._margin()
+        if self._closing_now and path is not None and not self._path_failed:  # along the walk just made
+            if self._need <= left:
+                self._path, self._step = tuple(path), 0
+            else:
+                self._path_failed = True
         return self._closing_now
 
     def _soft_zone(self) -> int:
@@ -398,17 +439,23 @@ class JsonGuard(Matcher):
         wherever the grammar allows them (limit + 1 if the walk takes more); rolled back after.
         `path`, if given, receives the walk's tokens (EOS left out)."""
         s, written, steps = self.state, self._written, 0
+        tail = b""  # the rest of the way to a pattern's match (and the quote) the walk is writing
         try:
             while steps < limit:
                 if self.inner.can_end():
                     return steps + 1
-                self.inner.fill_mask(self._probe, 0)
-                row = self._probe[0]
-                narrowed = self._narrow(row, self._tiers(s, True))
-                tok = None if narrowed or not s.in_string else self._toward_pattern(row, written)
-                tok = self.tables.longest(row) if tok is None else tok
-                if tok < 0 or not self.inner.accept(tok):
-                    break
+                # the way to a pattern's match being written, else the grammar's forced text: no mask
+                tok = self._prefix_token(tail) if tail else self._forced_token()
+                if tok is None:
+                    self.inner.fill_mask(self._probe, 0)
+                    row = self._probe[0]
+                    narrowed = self._narrow(row, self._tiers(s, True))
+                    tok, tail = (None, b"") if narrowed or not s.in_string else self._toward_close(row, s, written)
+                    tok = self.tables.longest(row) if tok is None else tok
+                    if tok < 0 or not self.inner.accept(tok):
+                        break
+                if tail:
+                    tail = tail[len(self.tables.token_bytes[tok]) :]
                 steps += 1
                 if path is not None:
                     path.append(tok)
@@ -421,31 +468,79 @@ class JsonGuard(Matcher):
         finally:
             self.inner.rollback(steps)
 
-    def _narrow(self, r: "torch.Tensor", tiers: list["torch.Tensor"]) -> bool:
+    def _forced_token(self) -> int | None:
+        """Where the grammar forces the next bytes (a key's name, `": "`): the longest token that
+        writes a prefix of them, accepted; None where nothing is forced. Nearly half of a walk's
+        steps are such, and this costs a lookup instead of a mask (tens of microseconds)."""
+        forced = self.inner.forced_text()
+        return self._prefix_token(forced.encode()) if forced else None
+
+    def _prefix_token(self, data: bytes) -> int | None:
+        """The longest token that writes a prefix of `data` and that the grammar accepts, accepted
+        (None if none)."""
+        by_bytes = self.tables.by_bytes
+        for n in range(min(len(data), self.tables.max_token_bytes), 0, -1):
+            tok = by_bytes.get(data[:n])
+            if tok is not None and self.inner.accept(tok):
+                return tok
+        return None
+
+    def _narrow(self, r: "torch.Tensor", tiers: list[np.ndarray]) -> bool:
         """Narrow mask row `r` to the first tier that leaves a token (unchanged if none does:
-        False); numpy on the tensors' memory, as `GuardTables.longest`."""
+        False); numpy on the tensor's memory, as `GuardTables.longest`."""
         row, narrowed = r.numpy(), self._scratch
         for m in tiers:
-            np.bitwise_and(row, m.numpy(), out=narrowed)
-            if narrowed.any():
+            np.bitwise_and(row, m, out=narrowed)
+            if np.count_nonzero(narrowed):
                 row[:] = narrowed
                 return True
         return False
 
-    def _toward_pattern(self, r: "torch.Tensor", written: bytes) -> int | None:
-        """Where an open string cannot close yet (its `pattern` does not match): the allowed token
-        that writes the most of the shortest way to a match and its closing quote (None where no
-        pattern of the schema shows one)."""
-        if not self._patterns:
-            return None
+    def _toward_close(self, r: "torch.Tensor", s: _State, written: bytes) -> tuple[int | None, bytes]:
+        """Where an open string cannot close yet: the allowed token that writes the most of the
+        shortest way to a match of the string's `pattern`, or, at a key's start, of the first of the
+        schema's required keys the grammar takes there (an object's optional keys before its next
+        required one are skipped: a walk that took the longest token wrote them all, and measured
+        the close of sp_303's items of 80 optional keys at 115 tokens instead of 15); and the bytes
+        of that way (with the closing quote). (None, b"") where neither shows one."""
         row = r.numpy()
-        for tail in completions(self._patterns, written):
-            target = tail.encode() + b'"'
-            for n in range(len(target), 0, -1):
-                tok = self.tables.by_bytes.get(target[:n])
-                if tok is not None and _allows(row, tok):
-                    return tok
+        # mid-escape (a backslash written, a vocabulary without `\\\\`): the ways from the text before
+        # it that go on with an escape, their first backslash written
+        cut = 1 if s.escape else 0
+        for tail in completions(self._patterns, written[: len(written) - cut]) if self._patterns else ():
+            target = json.dumps(tail, ensure_ascii=False)[1:].encode()  # (escaped, with the quote)
+            if cut and not target.startswith(b"\\"):
+                continue
+            if (tok := self._longest_allowed(row, target[cut:])) is not None:
+                return tok, target[cut:]
+        if s.str_len == 0:
+            for key in self._required:
+                if (tok := self._longest_allowed(row, key)) is not None and self._takes(key):
+                    return tok, key
+        return None, b""
+
+    def _longest_allowed(self, row: np.ndarray, target: bytes) -> int | None:
+        """The token that writes the longest prefix of `target` and that mask row `row` allows."""
+        by_bytes = self.tables.by_bytes
+        for n in range(min(len(target), self.tables.max_token_bytes), 0, -1):
+            tok = by_bytes.get(target[:n])
+            if tok is not None and _allows(row, tok):
+                return tok
         return None
+
+    def _takes(self, data: bytes) -> bool:
+        """Whether the grammar takes `data` from here (written in its longest tokens; rolled back)."""
+        n = 0
+        try:
+            while data:
+                tok = self._prefix_token(data)
+                if tok is None:
+                    return False
+                n += 1
+                data = data[len(self.tables.token_bytes[tok]) :]
+            return True
+        finally:
+            self.inner.rollback(n)
 
     def accept(self, token_id: int) -> bool:
         if not self.inner.accept(token_id):
@@ -465,16 +560,30 @@ class JsonGuard(Matcher):
 
     def fill_mask(self, bitmask: "torch.Tensor", row: int) -> None:
         self.inner.fill_mask(bitmask, row)
+        self._guard_row(bitmask, row)
+
+    def defer_mask(self, row: int, jobs) -> bool:
+        return self.inner.defer_mask(row, jobs)
+
+    def finish_mask(self, bitmask: "torch.Tensor", row: int) -> None:
+        self.inner.finish_mask(bitmask, row)
+        self._guard_row(bitmask, row)
+
+    def _guard_row(self, bitmask: "torch.Tensor", row: int) -> None:
+        """Narrow the grammar's mask in bitmask[row] by the guards."""
         closing = self._closing()
         if closing and not self.inner.can_end() and (forced := self._next_forced()) is not None:
             r = bitmask[row]
             if _allows(r, forced):  # always, unless the grammar changed under the walk
                 _only(r, forced)
                 return
-        tiers = self._tiers(self.state, closing or self._soft)
-        if tiers and not self._narrow(bitmask[row], tiers) and self.state.in_string:
-            # a string its pattern keeps open: steered to the pattern's nearest match and closed
-            if (tok := self._toward_pattern(bitmask[row], self._written)) is not None:
+        st = self.state
+        tiers = self._tiers(st, closing or self._soft)
+        narrowed = bool(tiers) and self._narrow(bitmask[row], tiers)
+        if st.in_string and not narrowed and (tiers or st.escape and self._ending(st, closing or self._soft)):
+            # a string its pattern keeps open: steered to the pattern's nearest match and closed; a
+            # key near the end: the next required one, not one more optional
+            if (tok := self._toward_close(bitmask[row], st, self._written)[0]) is not None:
                 _only(bitmask[row], tok)
 
     def is_finished(self) -> bool:
@@ -491,6 +600,7 @@ class JsonGuard(Matcher):
                 self._written,
                 self._probe_at,
                 self._need,
+                self._walked_at,
                 self._closing_now,
                 self._soft,
                 self._path,
@@ -507,6 +617,7 @@ class JsonGuard(Matcher):
             self._written,
             self._probe_at,
             self._need,
+            self._walked_at,
             self._closing_now,
             self._soft,
             self._path,

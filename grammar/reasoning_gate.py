@@ -80,6 +80,17 @@ class ReasoningGate(Matcher):
             bitmask[row].fill_(-1)
             set_token_bits(bitmask, row, self._eos, False)
 
+    def defer_mask(self, row: int, jobs) -> bool:
+        inner = self._undecided if self._undecided is not None else self._inner
+        return inner is not None and inner.defer_mask(row, jobs)
+
+    def finish_mask(self, bitmask: "torch.Tensor", row: int) -> None:
+        if self._undecided is not None:
+            self._undecided.finish_mask(bitmask, row)
+            set_token_bits(bitmask, row, (self._start,))
+        else:
+            self._inner.finish_mask(bitmask, row)
+
     def is_finished(self) -> bool:
         return self._inner is not None and self._inner.is_finished()
 

@@ -23,7 +23,8 @@ import regex
 
 # characters tried first for a class (a word character, a digit, ...), then any printable one
 _PREFERRED = "a0A_-. /:"
-_PRINTABLE = _PREFERRED + "".join(chr(c) for c in range(33, 127) if chr(c) not in _PREFERRED + '"\\')
+# (the quote and the backslash last: a JSON string writes them escaped, two characters each)
+_PRINTABLE = _PREFERRED + "".join(chr(c) for c in range(33, 127) if chr(c) not in _PREFERRED + '"\\') + '"\\'
 _MAX_REPEAT_WRITTEN = 64  # a minimum count beyond this: no short way to finish
 
 
@@ -46,9 +47,9 @@ def schema_patterns(schema: Any) -> tuple[str, ...]:
 
 @functools.lru_cache(maxsize=4096)
 def shortest_matches(pattern: str) -> tuple[str, ...]:
-    """Shortest strings `pattern` matches, one per top-level alternative, of printable ASCII
-    without `"` or `\\` (none where the pattern does not parse, holds back-references, or needs
-    another character)."""
+    """Shortest strings `pattern` matches, one per top-level alternative, of printable characters
+    (none where the pattern does not parse, holds back-references, or needs another character);
+    as text, not as a JSON string writes it (`"` and `\\` are escaped there)."""
     try:
         items = sre_parse.parse(pattern)
     except Exception:  # noqa: BLE001 (a syntax Python's parser lacks: no completion)
@@ -63,7 +64,7 @@ def _shortest(items) -> str | None:
     for op, av in items:
         if op is C.LITERAL:
             ch = chr(av)
-            if ch == '"' or ch == "\\" or not ch.isprintable():
+            if not ch.isprintable():
                 return None
             out.append(ch)
         elif op is C.ANY:
@@ -144,6 +145,12 @@ def completions(patterns: tuple[str, ...], written: bytes) -> list[str]:
     quote) match one of `patterns` (JSON Schema's `pattern` is a search, anchored only by its own
     `^` / `$`), shortest first: for each pattern, the shortest tail of its shortest match that
     works."""
+    return list(_completions(patterns, written))
+
+
+@functools.lru_cache(maxsize=4096)
+def _completions(patterns: tuple[str, ...], written: bytes) -> tuple[str, ...]:
+    # (cached: the guard's walks start again and again from the same open string)
     try:
         text = json.loads(b'"' + written + b'"')
     except ValueError:
@@ -156,4 +163,4 @@ def completions(patterns: tuple[str, ...], written: bytes) -> list[str]:
             tail = next((m[i:] for i in range(len(m), -1, -1) if compiled.search(text + m[i:])), None)
             if tail is not None:
                 found.add(tail)
-    return sorted(found, key=lambda s: (len(s), s))
+    return tuple(sorted(found, key=lambda s: (len(s), s)))

@@ -30,6 +30,14 @@ def smollm2_path() -> str:
     return resolve_model("smollm2")
 
 
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path):
+    """The default model's real tokenizer, loaded once."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
 def quantizable_llama_config():
     """The tiny llama with rows of 256 values (hidden 256, intermediate 512): K-quants'
     super-blocks and GPTQ / AWQ groups of 128 fit."""

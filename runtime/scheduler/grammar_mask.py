@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.cpu import cpu_kernels
 from ..request import Req, TokenOutput
 
 
@@ -78,9 +79,10 @@ class GrammarMaskMixin:
         idx = [i for i, r in enumerate(reqs) if r.matcher is not None]
         if not idx:
             return
+        from plait.grammar.base import fill_masks
+
         mask = self._grammar_bitmask(len(idx))
-        for j, i in enumerate(idx):
-            reqs[i].matcher.fill_mask(mask, j)
+        fill_masks([reqs[i].matcher for i in idx], mask)
         self._apply_mask_rows(mask, idx, row_logits)
 
     def _apply_draft_masks(self, reqs: list[Req], drafts_of: list[list[int]], row_logits: torch.Tensor) -> None:
@@ -106,11 +108,13 @@ class GrammarMaskMixin:
         self._apply_mask_rows(mask, idx, row_logits)
 
     def _apply_mask_rows(self, mask: torch.Tensor, idx: list[int], row_logits: torch.Tensor) -> None:
-        """Apply mask row j to logits row idx[j], in place. The mask is applied to all rows at
-        once, unconstrained ones getting an all-allowed row: copying the constrained logits rows
-        out and back costs ~30x more than the mask itself."""
+        """Apply mask row j to logits row idx[j], in place: the CPU kernel where it runs, else the
+        mask applied to all rows at once, unconstrained ones getting an all-allowed row (copying
+        the constrained logits rows out and back costs ~30x more than the mask itself)."""
         from plait.grammar import apply_token_bitmask_
 
+        if cpu_kernels.bitmask_fill_(row_logits, mask[: len(idx)], torch.tensor(idx, dtype=torch.int64)):
+            return
         n = row_logits.shape[0]
         if idx != list(range(n)):
             full = self._full_mask_buffer(n, mask.shape[1])

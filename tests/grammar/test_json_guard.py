@@ -12,7 +12,16 @@ import torch
 
 from plait.grammar import GrammarSpec, allocate_token_bitmask, make_backend, tokenizer_info
 from plait.grammar.bitmask import unpack_bitmask
-from plait.grammar.json_guard import JsonGuard, JsonLimits, _scan, _State, guard_tables, guarded
+from plait.grammar.json_guard import (
+    CLOSING_MARGIN,
+    CLOSING_SHARE,
+    JsonGuard,
+    JsonLimits,
+    _scan,
+    _State,
+    guard_tables,
+    guarded,
+)
 
 VOCAB = 49152
 EOS = 2
@@ -28,15 +37,13 @@ WANDER = {
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_path)
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")
-def info(tokenizer):
-    return tokenizer_info(tokenizer, VOCAB, [EOS])
+def info(smollm2_tokenizer):
+    return tokenizer_info(smollm2_tokenizer, VOCAB, [EOS])
 
 
 @pytest.fixture(scope="module", params=["llguidance", "xgrammar"])
@@ -126,17 +133,29 @@ USES = {  # a GitHub workflow step's `uses`: the string cannot close before a `/
 }
 
 
+DLL = {  # BizTalk's assembly `Path`: a literal backslash, written `\\` in the JSON string
+    "type": "object",
+    "properties": {"path": {"type": "string", "pattern": "\\w+[\\\\](\\w+\\.)*\\w+\\.dll"}},
+    "required": ["path"],
+}
+
+
+@pytest.mark.parametrize("schema", [USES, DLL], ids=["uses", "dll"])
 @pytest.mark.parametrize("steer", [True, False])
-def test_a_string_its_pattern_keeps_open_is_steered_to_a_match(backend, info, adversary, steer):
-    """Past the string cap the adversary writes anything but `/` and `@` would do; the guard
-    follows the pattern's shortest way to a match and closes the string (without it: never)."""
-    m = guard(backend, info, USES, JsonLimits(19, 40), 160)
+def test_a_string_its_pattern_keeps_open_is_steered_to_a_match(backend, info, adversary, steer, schema):
+    """Past the string cap the adversary writes anything but what the pattern needs (`/` and
+    `@`, a backslash); the guard follows the pattern's shortest way to a match and closes the
+    string (without it: never). (xgrammar matches a pattern against the string's JSON text: after
+    a backslash it takes `\\w`, not an escape, so the DLL path is llguidance's alone.)"""
+    if schema is DLL and backend.name != "llguidance":
+        pytest.skip("xgrammar reads the pattern's backslash as the JSON text's")
+    m = guard(backend, info, schema, JsonLimits(19, 40), 160)
     if not steer:
         m._patterns = ()
     text, ended = walk(m, adversary, 160)
     assert ended == steer, text
     if steer:
-        jsonschema.validate(json.loads(text), USES)
+        jsonschema.validate(json.loads(text), schema)
 
 
 def test_a_long_close_starts_early_enough(backend, info, adversary):
@@ -276,3 +295,92 @@ def test_no_new_item_that_cannot_fit_on_either_backend(backend, info, adversary,
     text, ended = walk(m, adversary, max_tokens)
     assert ended, text[-200:]
     jsonschema.validate(json.loads(text), schema)
+
+
+LONG_KEYS = {
+    "type": "object",
+    "properties": {f"a_rather_long_key_name_{i}": {"type": "integer"} for i in range(12)},
+    "required": [f"a_rather_long_key_name_{i}" for i in range(12)],
+}
+
+
+def test_the_walk_writes_forced_text_without_masks(backend, info, monkeypatch):
+    """Where the grammar forces text (each required key's name and `": "`), the walk takes that
+    text's longest token without computing a mask: far fewer masks than steps, and the walk still
+    ends in a document that validates, one token a step as the close later writes it."""
+    m = guard(backend, info, LONG_KEYS, JsonLimits(19, 40), 1000)
+    inner = m.inner
+    masks = []
+    fill = type(inner).fill_mask
+    monkeypatch.setattr(type(inner), "fill_mask", lambda self, b, r: (masks.append(1), fill(self, b, r))[1])
+    path: list[int] = []
+    steps = m._shortest_close(path=path)
+    assert steps == len(path) + 1 and inner.num_accepted == 0  # (EOS counted; rolled back)
+    assert len(masks) < steps // 2, (len(masks), steps)
+    for tok in path:
+        assert m.accept(tok)
+    assert m.can_end()
+    text = b"".join(info.token_bytes[t] for t in path)
+    jsonschema.validate(json.loads(text), LONG_KEYS)
+
+
+def test_closing_begins_on_a_fresh_estimate(backend, info):
+    """A "model" that writes the document the shortest way itself (the slow walk's choices): an
+    estimate made tokens earlier says the close must begin long before it must. Closing begins only
+    where a walk from that very token says so, and the document still ends valid."""
+    max_tokens = 260
+    m = guard(backend, info, LONG_KEYS, JsonLimits(19, 40), max_tokens)
+    mask = allocate_token_bitmask(1, VOCAB)
+    lengths = torch.tensor(
+        [len(b) if b else 10**6 for b in info.token_bytes] + [10**6] * (VOCAB - len(info.token_bytes))
+    )
+    lengths[EOS] = 10**5
+    began = None
+    for _ in range(max_tokens):
+        m.fill_mask(mask, 0)
+        if began is None and m._closing_now:
+            began = max_tokens - m.num_accepted
+            fresh = m._shortest_close()  # (the guard's own walk from here, rolled back)
+            assert began <= fresh + CLOSING_MARGIN + fresh // CLOSING_SHARE, (began, fresh)
+        allowed = unpack_bitmask(mask, VOCAB)[0]
+        tok = int(torch.where(allowed, lengths * VOCAB - torch.arange(VOCAB), torch.iinfo(torch.int64).max).argmin())
+        assert m.accept(tok)
+        if tok == EOS:
+            break
+    assert began is not None and m.is_finished()
+
+
+MANY_OPTIONAL = {  # sp_303's shape: items of many optional keys, the required one declared last
+    "type": "array",
+    "minItems": 1,
+    "items": {
+        "type": "object",
+        "properties": {**{f"key{i:02d}": {"type": "string"} for i in range(40)}, "zz": {"type": "string"}},
+        "required": ["zz"],
+        "additionalProperties": False,
+    },
+}
+
+
+def test_the_walk_skips_optional_keys(backend, info, tokenizer):
+    """At a key's start the walk writes the next required key, not the optional ones before it:
+    from `[{"key00": "a", "` the close is `zz": ""}]`, a few tokens (taking the longest token
+    instead wrote every optional key: ~160)."""
+    m = guard(backend, info, MANY_OPTIONAL, JsonLimits(19, 40), 2000)
+    for t in tokenizer.encode('[{"key00": "a", "', add_special_tokens=False):
+        assert m.accept(t)
+    path: list[int] = []
+    steps = m._shortest_close(path=path)
+    assert steps <= 12, (steps, b"".join(info.token_bytes[t] for t in path))
+    text = b'[{"key00": "a", "' + b"".join(info.token_bytes[t] for t in path)
+    jsonschema.validate(json.loads(text), MANY_OPTIONAL)
+
+
+@pytest.mark.parametrize("max_tokens", [120, 200])
+def test_many_optional_keys_still_end_valid(backend, info, adversary, max_tokens):
+    """The adversary writes key after key; near the end the guard steers each key to the required
+    one, so the document closes in time."""
+    m = guard(backend, info, MANY_OPTIONAL, JsonLimits(19, 16), max_tokens)
+    text, ended = walk(m, adversary, max_tokens)
+    assert ended, text[-200:]
+    jsonschema.validate(json.loads(text), MANY_OPTIONAL)
