@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import re
 import time
+from typing import Any
 
 import torch
 
 from .base import Grammar, GrammarBackend, GrammarError, GrammarSpec, Matcher, decode_forced
 from .bitmask import bitmask_width, checked_row, eos_only_row
 from .schema_keywords import lenient_conditionals
+from .schema_repair import repair
 from .schema_rewrite import strict_schema
 from .tokenizer_info import TokenizerInfo
 
@@ -34,9 +36,23 @@ JSON_OPTIONS = {
 # What a schema llguidance refuses for its oneOf or unimplemented keywords compiles with: oneOf read
 # as anyOf, the unimplemented keywords (not, if/then/else, dependencies, uniqueItems, ...) ignored.
 LENIENT = {"coerce_one_of": True, "lenient": True}
-_APPROXIMABLE = re.compile(r"oneOf constraints are not supported|Unimplemented keys|Unknown format")
+_APPROXIMABLE = re.compile(
+    r"oneOf constraints are not supported|Unimplemented keys|Unknown format|min/maxProperties only supported"
+)
+REPAIRS = 8  # schema_repair passes, at most (each relaxes what one error names)
 _UNSATISFIABLE = "unsatisfiable"
 _TOO_LARGE = "schema too large"
+
+
+_EXECUTOR: list = []
+
+
+def _executor() -> "llguidance.LLExecutor":
+    """llguidance's thread pool for batched masks, made once: as many threads as torch's (the
+    cores the model's ops use, idle while the masks are computed between forward passes)."""
+    if not _EXECUTOR:
+        _EXECUTOR.append(llguidance.LLExecutor(max(1, torch.get_num_threads())))
+    return _EXECUTOR[0]
 
 
 class LLGuidanceBackend(GrammarBackend):
@@ -63,12 +79,30 @@ class LLGuidanceBackend(GrammarBackend):
     def cache_key(self) -> tuple:
         return (self.name, self.json_whitespace, self.strict_mode)
 
+    def fill_rows(self, pairs: list[tuple[LLMatcher, int]], bitmask: torch.Tensor) -> None:
+        """The masks of many matchers at once, each into its bitmask row, on llguidance's own
+        threads with the GIL released (`fill_masks`' runner for this backend)."""
+        if len(pairs) == 1:
+            m, row = pairs[0]
+            m.unsafe_compute_mask_ptr(checked_row(bitmask, row, self.width).data_ptr(), self.width * 4)
+            return
+        if not bitmask.is_contiguous() or bitmask.dim() != 2:
+            raise ValueError("a batched mask fill needs a contiguous 2-D bitmask")
+        checked_row(bitmask, 0, self.width)
+        _executor().unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), self.width * 4, bitmask.shape[0])
+
     def _grammar_text(
-        self, spec: GrammarSpec, lenient: bool = False, close: bool | None = None, presence_cases: bool = True
+        self,
+        spec: GrammarSpec,
+        lenient: bool = False,
+        close: bool | None = None,
+        presence_cases: bool = True,
+        schema: Any = None,
     ) -> str:
+        """The grammar of `spec` (JSON: of `schema` instead where given, a repaired one)."""
         try:
             if spec.kind == "json_schema":
-                schema = spec.schema()
+                schema = spec.schema() if schema is None else schema
                 close = self.strict_mode if close is None else close
                 if isinstance(schema, dict):
                     schema = strict_schema(schema, close=close, presence_cases=presence_cases)
@@ -101,7 +135,7 @@ class LLGuidanceBackend(GrammarBackend):
     def compile(self, spec: GrammarSpec, *, timeout_s: float | None = None) -> Grammar:
         t0 = time.perf_counter()
         text, template = self._template(spec)
-        approximate = False
+        approximate, last = False, ""  # (last: the lenient mode's error, where it was tried)
 
         def error() -> str:
             return template.get_error() if template.is_error() else ""
@@ -121,15 +155,38 @@ class LLGuidanceBackend(GrammarBackend):
                 # (oneOf as anyOf, the others ignored), exact everywhere else; the output check validates
                 relaxed, lenient = self._template(spec, lenient=True, **how)
                 if lenient.is_error() and _TOO_LARGE in lenient.get_error():
-                    relaxed, lenient = self._template(spec, lenient=True, **how, presence_cases=False)
+                    how["presence_cases"] = False
+                    relaxed, lenient = self._template(spec, lenient=True, **how)
                 if not lenient.is_error():
                     text, template, approximate = relaxed, lenient, True
+                else:
+                    last = lenient.get_error()
+            if template.is_error() and (fixed := self._repaired(spec, how, last or error())) is not None:
+                (text, template), approximate = fixed, True
         if template.is_error():
             raise GrammarError(f"llguidance: invalid {spec.kind}: {template.get_error()}")
         g = LLGuidanceGrammar(self, spec, text, template)
         g.approximate = approximate
         g.compile_time_s = time.perf_counter() - t0
         return g
+
+    def _repaired(self, spec: GrammarSpec, how: dict, error: str) -> tuple[str, LLMatcher] | None:
+        """The lenient grammar of the schema relaxed where llguidance's errors point, one repair
+        after another (`schema_repair`), the first that compiles; None where none does."""
+        schema = spec.schema()
+        for _ in range(REPAIRS):
+            schema = repair(schema, error)
+            if schema is None:
+                return None
+            try:
+                text, template = self._template(spec, lenient=True, schema=schema, **how)
+            except GrammarError as e:
+                error = str(e)
+                continue
+            if not template.is_error():
+                return text, template
+            error = template.get_error()
+        return None
 
 
 class LLGuidanceGrammar(Grammar):
@@ -174,6 +231,12 @@ class LLGuidanceMatcher(Matcher):
         if self._m.try_consume_tokens([token_id]) != 1:
             return False
         self._n += 1
+        return True
+
+    def defer_mask(self, row: int, jobs) -> bool:
+        if self._terminated:
+            return False
+        jobs.add(self._g.backend.fill_rows, self._m, row)
         return True
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:

@@ -3,8 +3,10 @@ exactly where the rewrite is exact, else into a subset of the valid documents, n
 
 - `$recursiveRef`, `$dynamicRef`, `$anchor` / `$id` references within one document: plain JSON
   pointers (`static_refs`);
-- `$ref` beside other keywords: `allOf: [{"$ref": ...}]` beside them, its meaning since draft 2019-09
-  (`ref_siblings`; in draft 7 the siblings were ignored: a subset);
+- `$ref` beside other keywords: `allOf: [{"$ref": ...}]` beside them, its meaning since draft 2019-09,
+  and `$ref` alone in a schema of draft 7 or before, which ignored them (`ref_siblings`); pointers
+  percent-encoded as URIs; `$schema` as the id of the draft the validator takes it for
+  (`known_drafts`);
 - `if` that is not keyed on property values (those are `schema_rewrite.conditional_branches`'):
   `if: true` / `{}` is its `then`, `if: false` its `else`, an `if` on values holds together with its
   `then` (`plain_conditional`: a subset);
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import re
 from typing import Any
-from urllib.parse import urldefrag, urljoin
+from urllib.parse import quote, unquote, urldefrag, urljoin
 
 # keywords of JSON Schema (validation, applicators, core); a subschema with none of them is `{}`
 KNOWN = frozenset(
@@ -36,6 +38,7 @@ _ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "pr
 _ONE += ("additionalProperties", "unevaluatedProperties", "unevaluatedItems", "contentSchema")
 _LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
 SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_URI_SAFE = "#/:@!$&'()*+,;=-._~%?"  # what a URI's fragment holds as it is
 
 
 def resolve_local_ref(root: Any, ref: str) -> Any:
@@ -46,7 +49,7 @@ def resolve_local_ref(root: Any, ref: str) -> Any:
         return None
     node = root
     for part in ref[2:].split("/"):
-        part = part.replace("~1", "/").replace("~0", "~")
+        part = unquote(part).replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and part in node:
             node = node[part]
         elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
@@ -54,6 +57,42 @@ def resolve_local_ref(root: Any, ref: str) -> Any:
         else:
             return None
     return node
+
+
+def validator_class(schema: Any):
+    """The `jsonschema` validator class for a schema's `$schema` (the latest draft where it names
+    none the package knows): the draft the output is checked under, so the grammar reads it too."""
+    import warnings
+
+    from jsonschema import validators
+
+    with warnings.catch_warnings():  # (an unknown `$schema`: the latest draft, with a warning)
+        warnings.simplefilter("ignore")
+        return validators.validator_for(schema if isinstance(schema, dict) else {})
+
+
+def legacy_ref(root: Any) -> bool:
+    """Whether the schema is of draft 7 or before, where `$ref` ignores the keywords beside it."""
+    return validator_class(root).__name__ in (
+        "Draft3Validator",
+        "Draft4Validator",
+        "Draft6Validator",
+        "Draft7Validator",
+    )
+
+
+def known_drafts(root: Any) -> Any:
+    """Every `$schema` as the metaschema id of the draft the validator reads it as: llguidance
+    fetches (and so refuses) any other spelling, `https://json-schema.org/draft-07/schema` or a
+    vendor's own metaschema among them."""
+
+    def fix(node: dict, at: str) -> dict:
+        if not isinstance(node.get("$schema"), str):
+            return node
+        meta = validator_class({"$schema": node["$schema"]}).META_SCHEMA
+        return {**node, "$schema": meta.get("$id", meta.get("id"))}
+
+    return _rewrite(root, fix)
 
 
 def escape(key: str) -> str:
@@ -71,6 +110,14 @@ def _children(node: dict, at: str):
             yield from ((k, i, x, f"{key}/{i}") for i, x in enumerate(v))
         elif k in _ONE:
             yield k, None, v, key
+
+
+def walk_schema(node: Any, at: str = "#"):
+    """Every schema node (a dict) of a schema, parents first (data under `enum`, `const`, ... not)."""
+    if isinstance(node, dict):
+        yield node
+        for _, _, child, child_at in _children(node, at):
+            yield from walk_schema(child, child_at)
 
 
 def _rewrite(node: Any, fn, at: str = "#") -> Any:
@@ -107,8 +154,13 @@ def static_refs(root: Any) -> Any:
         if not isinstance(node, dict):
             return
         if isinstance(node.get("$id"), str):
-            base, res_at = urldefrag(urljoin(base, node["$id"]))[0], at
-            ids[base] = at
+            url, frag = urldefrag(urljoin(base, node["$id"]))
+            if url != base or at == "#":
+                base, res_at = url, at
+                ids[base] = at
+            elif frag and not frag.startswith("/"):  # draft 6 / 7's `"$id": "#name"`: an anchor
+                anchors[(base, frag)] = at
+            # (`"$id": "#/properties/x"`, as localazy's: names a place in this resource, not a new one)
         resource_of[at] = (base, res_at)
         if isinstance(node.get("$anchor"), str):
             anchors[(base, node["$anchor"])] = at
@@ -159,6 +211,8 @@ def static_refs(root: Any) -> Any:
                 to = ref if res_at == "#" else res_at + ref[1:]
             else:
                 to = target(ref, base)
+            if to is not None:
+                to = quote(to, safe=_URI_SAFE)  # (`#/$defs/Parameter Node`: llguidance wants a URI)
             if to is not None and to != ref:
                 out["$ref"] = to
         return out
@@ -170,8 +224,20 @@ _NOTES = ("title", "description", "$comment", "default", "examples", "$anchor", 
 
 
 def ref_siblings(root: Any) -> Any:
-    """Every `{"$ref": R, k: ...}` as `{"allOf": [{"$ref": R}], k: ...}` (annotations aside)."""
+    """Every `{"$ref": R, k: ...}` as `{"allOf": [{"$ref": R}], k: ...}` (annotations aside); in a
+    schema of draft 7 or before, whose `$ref` ignores the keywords beside it (and so does the
+    validator that checks the output), as `{"$ref": R}` (its definitions kept)."""
+    if legacy_ref(root):
+        return _rewrite(root, _ref_alone)
     return _rewrite(root, _ref_sibling)
+
+
+def _ref_alone(node: dict, at: str) -> dict:
+    if not isinstance(node.get("$ref"), str):
+        return node
+    return {
+        k: v for k, v in node.items() if k in ("$ref", "$defs", "definitions") or k.startswith("$") and k not in KNOWN
+    }
 
 
 def _ref_sibling(node: dict, at: str) -> dict:
@@ -284,8 +350,22 @@ _COUNTS = (
 def lenient_conditionals(root: Any) -> Any:
     """For llguidance's lenient mode, which drops an `if` it cannot enforce: each such `if` whose
     `then` and `else` only set `properties` as those properties holding under one branch or the
-    other (a superset, where dropping would leave them unconstrained; the output check validates)."""
-    return _rewrite(root, lambda node, at: _branch_union(node))
+    other (a superset, where dropping would leave them unconstrained; the output check validates).
+    And `minProperties` / `maxProperties` it cannot enforce dropped (a superset): lenient, it counts
+    only the keys beyond `properties` (`{"a": 1}` refused under `minProperties: 1`)."""
+    return _rewrite(root, lambda node, at: _countable(_branch_union(node)))
+
+
+def _countable(node: dict) -> dict:
+    """`node` without the key counts llguidance implements only for objects of required or closed
+    keys: other keys allowed and an optional one listed."""
+    if "minProperties" not in node and "maxProperties" not in node:
+        return node
+    props, required = node.get("properties"), node.get("required")
+    optional = isinstance(props, dict) and set(props) - set(required if isinstance(required, list) else ())
+    if not optional or node.get("additionalProperties", True) is False:
+        return node
+    return {k: v for k, v in node.items() if k not in ("minProperties", "maxProperties")}
 
 
 def _branch_union(node: dict) -> dict:
@@ -445,7 +525,10 @@ def property_names(node: dict) -> dict | bool:
     else:
         names = None
     if names is not None:
-        out["properties"] = {n: props.get(n, {}) for n in names}
+        # a name the properties do not declare has the schema other keys have (ansible-lint's
+        # `rules`: propertyNames an enum, each value `additionalProperties: {$ref: rule}`)
+        other = node.get("additionalProperties", {})
+        out["properties"] = {n: props[n] if n in props else other for n in names}
         out["additionalProperties"] = False
         return out
     pattern = _name_pattern(sub)

@@ -12,6 +12,7 @@ from .schema_keywords import (
     SUBSCHEMA_MAPS,
     escape,
     integral_counts,
+    known_drafts,
     one_of_type,
     plain_conditional,
     plain_not,
@@ -372,7 +373,7 @@ def strict_schema(
     object's grammar past llguidance's limit), else as the case without the key (a subset).
     `root` and `path` (the node's JSON pointer) let a rewrite keep `$ref`s into what it moves pointing right."""
     if root is None:
-        root = node = ref_siblings(static_refs(node))
+        root = node = ref_siblings(static_refs(known_drafts(node)))
         _open = _open_refs(node) if close else set()
         out = strict_schema(node, close=close, root=root, path=path, presence_cases=presence_cases, _open=_open)
         return _finished(out, out)

@@ -8,12 +8,15 @@ a `plait.grammar.GrammarSpec` by `grammar_spec()`; the scheduler compiles and en
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
 import numbers
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..grammar.schema_keywords import static_refs
 from ..grammar.schema_rewrite import resolve_local_ref
 
 # Field kinds used by `validate` (and by `__post_init__` for normalisation).
@@ -255,7 +258,7 @@ class SamplingParams:
 
         if self.json_schema is not None:
             spec = GrammarSpec.from_json_schema(self.json_schema)
-            cycle = ref_cycle(spec.schema())
+            cycle = _cached_ref_cycle(spec.spec)
             if cycle:  # some backends compile it to a grammar that admits nothing
                 raise GrammarError(f"invalid grammar: json_schema: circular $ref with no schema content: {cycle}")
             return spec
@@ -281,9 +284,17 @@ _ANNOTATIONS = frozenset(
 )
 
 
+@functools.lru_cache(maxsize=256)
+def _cached_ref_cycle(schema_text: str) -> str | None:
+    # (per request in the scheduler: a large schema takes milliseconds, and schemas repeat)
+    return ref_cycle(json.loads(schema_text))
+
+
 def ref_cycle(schema: Any) -> str | None:
     """A chain of local `$ref`s that only ever points at more references (`{"$ref": "#"}`,
-    a -> b -> a): such a schema describes no value. Returns the chain as text, or None."""
+    a -> b -> a): such a schema describes no value. Returns the chain as text, or None. (References
+    are read as document pointers first: `#/$defs/A` inside a nested `$id` is that resource's.)"""
+    schema = static_refs(schema)
     stack, seen_nodes = [schema], set()
     while stack:
         node = stack.pop()

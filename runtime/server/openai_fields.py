@@ -4,8 +4,11 @@ message content as text.
 
 from __future__ import annotations
 
+import functools
+import json
 from typing import Any
 
+from ...grammar.schema_keywords import validator_class
 from .http_common import ApiError
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -30,21 +33,54 @@ def require_schema(schema: Any, where: str) -> None:
     where that package is installed; the grammar compiler reports the rest)."""
     if not isinstance(schema, (dict, bool)):
         raise ApiError(400, f"{where} must be a JSON schema object, got {type(schema).__name__}")
-    try:
-        from jsonschema import exceptions, validators
-    except ImportError:  # not a runtime dependency
-        return
-    try:
-        validators.validator_for(schema).check_schema(schema)
-    except exceptions.SchemaError as e:
-        at = "/".join(map(str, e.path))  # (ends with the keyword: `.../pattern`)
-        raise ApiError(400, f"{where} is not a valid JSON schema: at '{at}': {e.message}") from None
+    if (problem := schema_problem(json.dumps(schema, sort_keys=True))) is not None:
+        raise ApiError(400, f"{where}{problem}")
+
+
+@functools.lru_cache(maxsize=1024)
+def schema_problem(schema_text: str) -> str | None:
+    """What makes a schema unusable (the 400's text after the field's name), or None. Cached by
+    the schema's text: the metaschema check takes milliseconds on a large schema, and a service
+    sees the same schemas request after request."""
+    schema = json.loads(schema_text)
+    error = next(iter(_meta_validator(validator_class(schema)).iter_errors(schema)), None)
+    if error is not None:
+        at = "/".join(map(str, error.path))  # (ends with the keyword: `.../pattern`)
+        return f" is not a valid JSON schema: at '{at}': {error.message}"
     if (ref := remote_ref(schema)) is not None:
-        raise ApiError(
-            400,
-            f"{where}: $ref {ref!r} points outside the schema; plait does not fetch remote schemas "
-            "(inline the definition)",
-        )
+        return f": $ref {ref!r} points outside the schema; plait does not fetch remote schemas (inline the definition)"
+    if (ref := dangling_ref(schema)) is not None:
+        return f": $ref {ref!r} points at nothing in the schema"
+    return None
+
+
+def dangling_ref(schema: Any) -> str | None:
+    """The first local `$ref` (a JSON pointer, read within the resource that holds it, as the
+    validator reads it) that names nothing in the schema, or None: no grammar can follow it, and the
+    validator that checks the output stops there."""
+    from ...grammar.schema_keywords import resolve_local_ref, static_refs, walk_schema
+
+    resolved = static_refs(schema)  # (the same nodes in the same order, pointers the document's)
+    for written, node in zip(walk_schema(schema), walk_schema(resolved)):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) and resolve_local_ref(resolved, ref) is None:
+            return written.get("$ref", ref)
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _meta_validator(cls):
+    """A validator of schemas of `cls`'s draft against its metaschema (what `check_schema` does),
+    with the `regex` format read as ECMA-262 through the `regex` module: Python's `re` refuses
+    `\\p{Letter}` and other patterns every JSON Schema validator of the field accepts."""
+    import regex
+    from jsonschema import FormatChecker, validators
+
+    meta = validators.validator_for(cls.META_SCHEMA, default=cls)
+    checker = FormatChecker(())
+    checker.checkers = dict(meta.FORMAT_CHECKER.checkers)
+    checker.checks("regex", raises=regex.error)(lambda v: not isinstance(v, str) or bool(regex.compile(v)))
+    return meta(cls.META_SCHEMA, format_checker=checker)
 
 
 def remote_ref(schema: Any) -> str | None:

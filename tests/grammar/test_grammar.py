@@ -463,8 +463,9 @@ def test_cache_real_backend(tokenizer):
 
 def test_auto_backend_routes_and_falls_back(tokenizer):
     """auto: JSON schemas go to llguidance (exact), else xgrammar; a schema llguidance refuses only
-    for `oneOf` or keywords it does not implement compiles there with those relaxed (`approximate`);
-    one it refuses otherwise falls back to xgrammar; a spec both refuse names both reasons."""
+    for `oneOf`, keywords it does not implement or a regex it cannot read compiles there with those
+    relaxed (`approximate`); one it refuses otherwise falls back to xgrammar; a spec both refuse
+    names both reasons."""
     be = make_backend("auto", tokenizer, VOCAB)
     assert be.name == "auto" and set(be.backends) == {"xgrammar", "llguidance"}
     assert be.compile(GrammarSpec.from_json_schema(PERSON)).backend_name == "llguidance"
@@ -478,7 +479,7 @@ def test_auto_backend_routes_and_falls_back(tokenizer):
         g = be.compile(GrammarSpec.from_json_schema(approx))
         assert g.backend_name == "llguidance" and g.approximate
     assert not be.compile(GrammarSpec.from_json_schema(PERSON)).approximate
-    # a look-around in a pattern: llguidance refuses it outright, xgrammar takes the schema
+    # a look-around in a pattern llguidance's regexes cannot read: that entry dropped (approximate)
     approx = {
         "type": "array",
         "items": {
@@ -487,12 +488,18 @@ def test_auto_backend_routes_and_falls_back(tokenizer):
             "patternProperties": {"^(?!a)b$": {"type": "string"}},
         },
     }
-    with pytest.raises(GrammarError, match="look-around"):
-        make_backend("llguidance", tokenizer, VOCAB).compile(GrammarSpec.from_json_schema(approx))
     g = be.compile(GrammarSpec.from_json_schema(approx))
-    assert g.backend_name == "xgrammar"
+    assert g.backend_name == "llguidance" and g.approximate
     m = g.matcher()
     assert all(m.accept(t) for t in ids_of(tokenizer, '[{"a": 1}]')) and m.can_end()
+    # a circular $ref beside other keywords: llguidance refuses it outright, xgrammar takes the schema
+    refused = {"type": "object", "properties": {"a": {"type": "integer"}, "c": {"$ref": "#", "minProperties": 1}}}
+    with pytest.raises(GrammarError, match="circular references with sibling keys"):
+        make_backend("llguidance", tokenizer, VOCAB).compile(GrammarSpec.from_json_schema(refused))
+    g = be.compile(GrammarSpec.from_json_schema(refused))
+    assert g.backend_name == "xgrammar"
+    m = g.matcher()
+    assert all(m.accept(t) for t in ids_of(tokenizer, '{"a": 1}')) and m.can_end()
     with pytest.raises(GrammarError, match="no grammar backend accepts this spec: xgrammar.*; llguidance"):
         be.compile(GrammarSpec.from_regex("[a-"))
 

@@ -163,6 +163,47 @@ CASES = [  # (what, schema, valid documents, invalid documents)
         [{"next": {"next": {}}}],
         [{"next": 1}],
     ),
+    (  # ansible-lint's `rules`: the values keep additionalProperties' schema
+        "propertyNames: enum beside additionalProperties",
+        {
+            "type": "object",
+            "propertyNames": {"enum": ["fqcn", "yaml"]},
+            "additionalProperties": {"type": "object", "properties": {"skip": {"type": "boolean"}}},
+        },
+        [{"fqcn": {"skip": True}}, {}],
+        [{"fqcn": 1}, {"other": {}}],
+    ),
+    (  # minecraft's loot tables: draft 7 ignores what stands beside $ref, the validator too
+        "a circular $ref beside keywords in draft 7",
+        {
+            "$schema": "http://json-schema.org/draft-07/schema#",
+            "definitions": {
+                "n": {
+                    "type": "object",
+                    "properties": {"v": {"type": "number"}, "next": {"$ref": "#/definitions/n", "minProperties": 9}},
+                }
+            },
+            "$ref": "#/definitions/n",
+        },
+        [{"v": 1, "next": {"next": {}}}, {}],
+        [{"v": "x"}, {"next": {"v": "x"}}],
+    ),
+    (  # calqulus-pipeline's `#/$defs/Parameter Node`: not a URI as written, jsonschema reads it
+        "a pointer with a space",
+        {"$defs": {"A B": {"type": "integer"}}, "type": "object", "properties": {"x": {"$ref": "#/$defs/A B"}}},
+        [{"x": 1}],
+        [{"x": "1"}],
+    ),
+    (  # saucectl's `https://json-schema.org/draft-07/schema`: llguidance fetched any other spelling
+        "$schema as the validator reads it",
+        {
+            "$schema": "https://json-schema.org/draft-07/schema",
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+        },
+        [{"a": 1}],
+        [{"a": "x"}],
+    ),
 ]
 
 
@@ -284,3 +325,63 @@ def test_a_oneof_over_one_types_keywords_takes_that_type_only(backend):
     assert _takes(grammar, tok, ["foo", "bar"])
     assert not _takes(grammar, tok, {",": 2}) and not _takes(grammar, tok, "x")
     assert one_of_type({"oneOf": [{"minimum": 1}, {"minLength": 1}]}) == {"oneOf": [{"minimum": 1}, {"minLength": 1}]}
+
+
+@pytest.mark.parametrize(
+    "what,schema,valid,invalid",
+    [
+        (  # hint's config: a look-ahead llguidance's regexes cannot read, left out
+            "a negative look-ahead",
+            {"type": "array", "items": {"type": "string", "pattern": "^(?!all$).*$"}},
+            [["a", "alley"]],
+            [[1]],
+        ),
+        (  # a JavaScript literal brace (Annex B): escaped, exact
+            "a literal brace",
+            {"type": "string", "pattern": "^\\${[a-z]+}$"},
+            ["${ab}"],
+            ["$ab", "${1}"],
+        ),
+        (  # GitLab CI's `additionalProperties: false` among the patternProperties
+            "overlapping patternProperties, one false",
+            {"type": "object", "patternProperties": {".*": {"type": "string"}, "additionalProperties": False}},
+            [{"a": "x"}],
+            [{"a": 1}],
+        ),
+        (
+            "min / maxProperties beside optional keys",
+            {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "additionalProperties": True,
+                "minProperties": 1,
+            },
+            [{"a": 1}, {"a": 1, "c": 2}],
+            [{"a": "x"}],
+        ),
+    ],
+)
+def test_schemas_llguidance_refuses_compile_relaxed(backend, what, schema, valid, invalid):
+    """Schemas llguidance refused outright (so that they went to xgrammar, which wrote documents
+    that broke them) compile on llguidance, relaxed only where its error pointed (`schema_repair`,
+    lenient mode): the valid documents taken, documents the relaxed grammar still refuses
+    refused. (Whatever a relaxation lets through, the output check judges.)"""
+    llg, tok = backend
+    check = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)(schema)
+    assert all(check.is_valid(d) for d in valid) and not any(check.is_valid(d) for d in invalid)
+    grammar = llg.compile(GrammarSpec.from_json_schema(json.dumps(schema)))
+    assert grammar.approximate, what  # (lenient mode: an exact repair, the brace, is marked too)
+    for doc in valid:
+        assert _takes(grammar, tok, doc), (what, doc)
+    for doc in invalid:
+        assert not _takes(grammar, tok, doc), (what, doc)
+
+
+def test_a_pattern_that_is_no_regex_is_not_relaxed(backend):
+    from plait.grammar import GrammarError
+    from plait.grammar.schema_repair import js_braces, without_assertions
+
+    with pytest.raises(GrammarError):
+        backend[0].compile(GrammarSpec.from_json_schema({"type": "string", "pattern": "([a"}))
+    assert js_braces(r"^\p{Lu}{2,3}[{]x{,2}$") == r"^\p{Lu}{2,3}[{]x\{,2\}$"
+    assert without_assertions(r"(?<=a)b\b[(?!]") == "b[(?!]"

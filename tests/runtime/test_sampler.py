@@ -464,3 +464,23 @@ def test_at_most_one_grammar_field():
     assert SP(json_schema={"type": "integer"}).json_schema == '{"type": "integer"}'
     assert SP(choices=["x", "y"]).grammar_spec().kind == "choice"
     assert SP().grammar_spec() is None
+
+
+def test_a_reference_cycle_is_read_within_its_resource():
+    """`{"$ref": "#"}`-only chains describe nothing and are refused; a nested resource's own
+    `$defs` (goreleaser's `FileInfo`, an `$id` of its own pointing at `#/$defs/FileInfo`) is not
+    a cycle with the document's `$defs` of the same name."""
+    from plait.grammar import GrammarError
+
+    with pytest.raises(GrammarError, match="circular"):
+        SP(
+            json_schema={"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+        ).grammar_spec()
+    inner = {
+        "$id": "https://example.com/file-info",
+        "$ref": "#/$defs/FileInfo",
+        "$defs": {"FileInfo": {"type": "object"}},
+    }
+    assert (
+        SP(json_schema={"$defs": {"FileInfo": inner}, "$ref": "#/$defs/FileInfo"}).grammar_spec().kind == "json_schema"
+    )

@@ -276,14 +276,35 @@ def assert_call(call, names=PARAMS) -> None:
 
 
 def test_a_malformed_schema_is_refused_naming_the_keyword():
-    """A pattern Python's `re` cannot read (`\\p{...}`, an ECMA-262 class): the 400 says where."""
+    """A pattern that is no regex: the 400 says where. One Python's `re` cannot read but ECMA-262
+    can (`\\p{Cc}`, as every JSON Schema validator of the field reads it) is a schema like any other."""
     from plait.runtime.server.http_common import ApiError
     from plait.runtime.server.openai_fields import require_schema
 
-    schema = {"type": "object", "properties": {"v": {"type": "string", "pattern": "^[^\\p{Cc}]+$"}}}
+    schema = {"type": "object", "properties": {"v": {"type": "string", "pattern": "^[a-z"}}}
     with pytest.raises(ApiError, match="at 'properties/v/pattern'") as e:
         require_schema(schema, "response_format.json_schema.schema")
     assert e.value.status == 400
+    require_schema({"type": "object", "properties": {"v": {"type": "string", "pattern": "^[^\\p{Cc}]+$"}}}, "s")
+
+
+def test_a_ref_to_nothing_is_refused_by_name():
+    """A pointer that names nothing, read within the resource that holds it (saucectl's bundled
+    sub-schemas point past their own `$id`): 400. A fragment-only `$id` (localazy's `"#/properties/x"`)
+    names a place, not a new resource, so the pointers under it are the document's."""
+    from plait.runtime.server.http_common import ApiError
+    from plait.runtime.server.openai_fields import require_schema
+
+    nested = {"$defs": {"n": {"$id": "https://example.com/n.json", "properties": {"x": {"$ref": "#/$defs/m"}}}}}
+    with pytest.raises(ApiError, match="'#/\\$defs/m' points at nothing") as e:
+        require_schema({**nested, "$defs": {**nested["$defs"], "m": {}}}, "s")
+    assert e.value.status == 400
+    fragment_id = {
+        "$schema": "http://json-schema.org/draft-07/schema#",
+        "properties": {"a": {"$id": "#/properties/a", "items": {"$ref": "#/definitions/d"}}},
+        "definitions": {"d": {"type": "integer"}},
+    }
+    require_schema(fragment_id, "s")
 
 
 def test_a_remote_ref_is_refused_by_name():

@@ -94,3 +94,24 @@ def test_an_invalid_document_is_sampled_again_while_attempts_remain():
     assert (
         state.finish_reason["type"] == "abort" and "(2 documents sampled, none valid)" in state.finish_reason["message"]
     )
+
+
+def test_ecma_patterns_are_checked_and_an_uncheckable_document_is_withheld():
+    """A pattern of ECMA-262 that Python's `re` refuses (`\\p{Letter}`) is checked through the
+    `regex` module, in `pattern`, `patternProperties` and what `additionalProperties` leaves; where
+    the validator cannot finish (a `$ref` to nothing), the document is withheld, never passed."""
+    schema = json.dumps(
+        {
+            "type": "object",
+            "properties": {"Id": {"type": "string", "pattern": "^\\p{Lu}\\d+$"}},
+            "patternProperties": {"^\\p{Ll}+$": {"type": "integer"}},
+            "additionalProperties": False,
+        }
+    )
+    assert schema_violation(schema, '{"Id": "A1", "ab": 2}') is None
+    for doc, keyword in (('{"Id": "a1"}', "pattern"), ('{"ab": "x"}', "type"), ('{"AB": 1}', "additionalProperties")):
+        why = schema_violation(schema, doc)
+        assert why is not None and f"'{keyword}'" in why, (doc, why)
+    dangling = json.dumps({"type": "object", "properties": {"a": {"$ref": "#/$defs/none"}}})
+    why = schema_violation(dangling, '{"a": 1}')
+    assert why.startswith(INVALID_OUTPUT) and "could not be checked" in why
