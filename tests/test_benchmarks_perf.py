@@ -405,6 +405,8 @@ def test_structured_through_a_server(tiny_model_dirs, tmp_path, capsys):
                 "3",
                 "--throughput-requests",
                 "4",
+                "--throughput-rounds",
+                "3",
                 "--json",
                 str(out),
             ]
