@@ -16,6 +16,7 @@ document to write."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any
 
 _QUANTIFIER = re.compile(r"\{\d+(?:,\d*)?\}")
@@ -71,48 +72,31 @@ def without_assertions(pattern: str) -> str:
     """`pattern` without its look-arounds (`(?=...)`, `(?!...)`, `(?<=...)`, `(?<!...)`) and word
     boundaries (`\\b`, `\\B`): what llguidance's regexes cannot express, left out so that the rest
     still holds (`^(?!all$).*$` as `^.*$`, a superset)."""
-    out, i, in_class = [], 0, False
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            if not in_class and pattern[i + 1 : i + 2] in ("b", "B"):
-                i += 2
-                continue
-            out.append(pattern[i : i + 2])
-            i += 2
+    out, skipping = [], 0  # skipping: the depth of parentheses inside a look-around left out
+    for i, atom, in_class in _atoms(pattern):
+        if skipping:
+            if not in_class:
+                skipping += (atom == "(") - (atom == ")")
             continue
         if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-        elif pattern.startswith(("(?=", "(?!", "(?<=", "(?<!"), i):
-            i = _group_end(pattern, i)
-            continue
-        out.append(c)
-        i += 1
+            out.append(atom)
+        elif atom == "(" and pattern.startswith(("(?=", "(?!", "(?<=", "(?<!"), i):
+            skipping = 1
+        elif atom not in ("\\b", "\\B"):
+            out.append(atom)
     return "".join(out)
 
 
-def _group_end(pattern: str, start: int) -> int:
-    """The index after the group opening at `start` (escapes and classes skipped)."""
-    depth, i, in_class = 0, start, False
+def _atoms(pattern: str) -> Iterator[tuple[int, str, bool]]:
+    """Each escape (two characters) or character of `pattern`, with its index and whether it is
+    inside a character class (a class's own `[` is not, its closing `]` is)."""
+    i, in_class = 0, False
     while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            i += 2
-            continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-        elif c == "(":
-            depth += 1
-        elif c == ")":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        i += 1
-    return len(pattern)
+        atom = pattern[i : i + 2] if pattern[i] == "\\" else pattern[i]
+        yield i, atom, in_class
+        if len(atom) == 1:
+            in_class = atom != "]" if in_class else atom == "["
+        i += len(atom)
 
 
 def repair(schema: Any, error: str) -> Any | None:
